@@ -1,0 +1,419 @@
+"""
+AdamW with 4-bit optimizer states: ZIP-SR and ZE-EDEN (paper B), plus the TorchAO-style
+baseline and plain FP32 AdamW, in one torch.optim.Optimizer.
+
+Storage (paper B, Def. 3): each moment is flattened into blocks of `block_size` (128)
+consecutive elements; a block keeps one FP32 scale s = max(absmax, 1e-12) and one 4-bit code per
+element, two codes per byte. Per moment 0.5 + 4/128 = 0.53125 B/param, both 1.0625 B/param
+instead of FP32 AdamW's 8.
+
+Update-before-storage (paper B, Sec. 2.1): the step decodes the stored moments, forms the working
+moments m~ = b1 Q(m~) + (1-b1) g and v~ = b2 Q(v~) + (1-b2) g², updates the parameter with the
+working (unquantized) moments, and only then quantizes them for storage.
+
+Rounding (Appendix A.2): a rounding coordinate phi picks between the two adjacent levels a < b
+around x; p = (phi(b) - phi(x)) / (phi(b) - phi(a)) is the probability of writing a. RTN writes a
+iff p > 1/2 (a tie writes b), SR writes a iff u < p with u ~ U[0, 1). phi(v) = v is state space
+(State-RTN/SR); phi = h_t(v) = 1 / (sqrt(v)/sqrt(1-b2^t) + eps) is preconditioner space
+(Update-RTN/SR). Inputs outside [min C, max C] saturate: p > 1 or p < 0 does it without a branch.
+
+This file holds the plain-PyTorch reference (the specification, used on CPU and with
+impl="torch"); the fused Triton step lives beside it.
+"""
+import math
+
+import torch
+
+from codebooks import get_codebook
+
+# --------------------------------------------------------------------------------------------
+# block quantizer (reference)
+
+ROUNDINGS = ("rtn", "sr")
+COORDS = ("state", "update")
+
+
+def preconditioner(v, bias_correction2, eps):
+    """h_t(v) = 1 / (sqrt(v) / sqrt(1 - b2^t) + eps) (paper B, Sec. 3.1), elementwise, float32.
+
+    Written with sqrt(v)/sqrt(bc2), the same operation order as the AdamW denominator, so the
+    update coordinate is exactly the quantity the parameter update divides by.
+    """
+    return 1.0 / (v.sqrt() / math.sqrt(bias_correction2) + eps)
+
+
+def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, eps=1e-8, u=None):
+    """Round each x to one of its two adjacent decoded levels; return int64 codes (level indices).
+
+    x:      float32 tensor (..., n).
+    levels: float32 tensor (..., K) of decoded levels sorted ascending, K >= 2; its leading dims
+            match x's (one level set per block: x (nblocks, B), levels (nblocks, K)), or levels
+            is 1-D (K,) and shared by all of x.
+    rule:   "rtn" or "sr" (paper B, Appendix A.2); coord: "state" (phi(v) = v) or "update"
+            (phi = h_t, nonnegative levels only).
+    u:      float32 uniforms in [0, 1) shaped like x, required for rule="sr".
+    Saturation outside [levels[0], levels[-1]] falls out of p > 1 / p < 0 (module docstring).
+    """
+    K = levels.shape[-1]
+    levels = levels.expand(*x.shape[:-1], K)
+    count = sum((levels[..., k:k + 1] <= x).long() for k in range(K))   # levels <= x
+    lo = (count - 1).clamp(0, K - 2)
+    a, b = levels.gather(-1, lo), levels.gather(-1, lo + 1)
+    if coord == "update":
+        fa, fb, fx = (preconditioner(z, bias_correction2, eps) for z in (a, b, x))
+    else:
+        fa, fb, fx = a, b, x
+    p = (fb - fx) / (fb - fa)                  # probability of writing the lower level a
+    take_a = p > 0.5 if rule == "rtn" else u < p
+    return torch.where(take_a, lo, lo + 1)
+
+
+def pack_nibbles(codes):
+    """(N,) integer codes in [0, 16) -> (N/2,) uint8; element 2i in the low nibble, 2i+1 high."""
+    c = codes.to(torch.uint8).view(-1, 2)
+    return c[:, 0] | (c[:, 1] << 4)
+
+
+def unpack_nibbles(packed):
+    """(N/2,) uint8 -> (N,) int64 codes; inverse of pack_nibbles."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(-1).long()
+
+
+def _check_quant_args(x, block_size, rule, coord, T):
+    if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
+    if x.numel() % block_size:
+        raise ValueError(f"x.numel()={x.numel()} must be a multiple of block_size={block_size}")
+    if rule not in ROUNDINGS:
+        raise ValueError(f"rule must be one of {ROUNDINGS}, got {rule!r}")
+    if coord not in COORDS:
+        raise ValueError(f"coord must be one of {COORDS}, got {coord!r}")
+    if coord == "update" and T[0] < 0:
+        raise ValueError("coord='update' (preconditioner space) needs a nonnegative codebook, "
+                         f"got min level {T[0].item()}")
+
+
+def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
+                       bias_correction2=1.0, eps=1e-8, eden=False, u=None, generator=None):
+    """Block-quantize a tensor to packed 4-bit codes and FP32 scales (paper B, Def. 3, App. A.2).
+
+    x:        float tensor, any shape, numel a multiple of block_size; read as flat float32.
+    codebook: name in codebooks.CODEBOOKS or a 1-D level tensor (normalized, sorted).
+    rule/coord: "rtn"|"sr" and "state"|"update"; coord="update" rounds in h_t space with
+              bias_correction2 = 1 - b2^t of the step being stored, and eps of AdamW.
+    eden:     EDEN calibration (paper B, Sec. 3.2): stored scale = c_tau * s with
+              c_tau = ||y||² / max(<y, T[code]>, tau), y = x/s, tau = 1e-12 (the normalized form);
+              an all-zero block gets c_tau = 0 and decodes to zero.
+    u:        optional float32 uniforms in [0, 1) shaped like x for rule="sr" (else drawn with
+              torch.rand(generator=generator)).
+    Returns (packed uint8 (numel/2,), scales float32 (numel/block_size,)).
+    Raises ValueError on a bad block_size, rule, coord, codebook or a non-divisible numel.
+    """
+    T = get_codebook(codebook).to(x.device)
+    _check_quant_args(x, block_size, rule, coord, T)
+    xb = x.detach().reshape(-1, block_size).float()
+    s = xb.abs().amax(dim=1).clamp_min(1e-12)
+    levels = s[:, None] * T[None, :]                            # decoded levels, (nb, K)
+    if rule == "sr" and u is None:
+        u = torch.rand(xb.shape, device=xb.device, generator=generator)
+    if u is not None:
+        u = u.reshape(xb.shape)
+    codes = round_to_levels(xb, levels, rule, coord, bias_correction2, eps, u)
+    if eden:
+        y = xb / s[:, None]
+        q = T[codes]
+        c = (y * y).sum(1) / torch.clamp((y * q).sum(1), min=1e-12)
+        s = c * s
+    return pack_nibbles(codes.view(-1)), s
+
+
+def dequantize_blockwise(packed, scales, codebook, block_size=128):
+    """Decode packed 4-bit codes: x[i] = scales[i // block_size] * T[code[i]]. Returns flat float32.
+
+    packed: uint8 (N/2,); scales: float32 (N/block_size,). Raises ValueError on mismatched sizes.
+    """
+    T = get_codebook(codebook).to(packed.device)
+    if packed.numel() * 2 != scales.numel() * block_size:
+        raise ValueError(f"packed ({packed.numel()} bytes) and scales ({scales.numel()}) do not "
+                         f"describe the same tensor with block_size={block_size}")
+    codes = unpack_nibbles(packed.reshape(-1))
+    return (scales[:, None] * T[codes].view(-1, block_size)).view(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# the optimizer
+
+# Paper B, Table 2. m is always rounded in state space; v's rounding names "coord-rule".
+PRESETS = {
+    "fp32":    dict(m_codebook=None, m_rounding=None, v_codebook=None, v_rounding=None,
+                    eden=False, lm_head_sr_after=None),
+    "torchao": dict(m_codebook="sdyn4", m_rounding="rtn", v_codebook="lin4_nz",
+                    v_rounding="state-rtn", eden=False, lm_head_sr_after=None),
+    "zeeden":  dict(m_codebook="nf4", m_rounding="rtn", v_codebook="dyn4_nz",
+                    v_rounding="state-rtn", eden=True, lm_head_sr_after=0.9),
+    "zipsr":   dict(m_codebook="nf4", m_rounding="rtn", v_codebook="dyn4",
+                    v_rounding="update-sr", eden=False, lm_head_sr_after=0.9),
+}
+V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
+IMPLS = ("auto", "torch", "triton")
+MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
+
+
+def radial_bias(m, m_q):
+    """Radial bias b_rad = <Q(m) - m, m> / ||m||² (paper B, Sec. 4); negative = inward. Float."""
+    m, m_q = m.double().flatten(), m_q.double().flatten()
+    return ((m_q - m) @ m / (m @ m)).item()
+
+
+def relative_rms_error(x, x_q):
+    """Relative RMS quantization error ||Q(x) - x|| / ||x|| (paper B, Appendix C.4). Float."""
+    x, x_q = x.double().flatten(), x_q.double().flatten()
+    return ((x_q - x).norm() / x.norm()).item()
+
+
+def nonzero_to_zero_fraction(x, x_q):
+    """Fraction of nonzero entries of x written as zero by Q (paper B, Appendix C.4). Float."""
+    nz = x != 0
+    return ((x_q == 0) & nz).sum().item() / max(nz.sum().item(), 1)
+
+
+def update_relative_error(u_q, u_32):
+    """One-step relative update error ||u_4bit - u_32|| / ||u_32|| (paper B, Appendix C.3). Float."""
+    return relative_rms_error(u_32, u_q)
+
+
+class AdamW4bit(torch.optim.Optimizer):
+    """AdamW with block-quantized 4-bit moments (paper B, Sec. 2.1, Def. 3, Table 2).
+
+    params:       iterable of tensors or param-group dicts (per-group lr, betas, eps,
+                  weight_decay). Parameters are the FP32 master weights (bf16/fp16 also work:
+                  the math runs in FP32 and the result is cast back).
+    lr:           float or 0-d tensor (works with torch.optim.lr_scheduler).
+    betas, eps, weight_decay: AdamW's; weight decay is decoupled: w <- (1 - lr wd) w.
+    preset:       "fp32" (plain AdamW, FP32 states), "torchao" (SDyn4 State-RTN m, Lin4-NZ
+                  State-RTN v), "zeeden" (NF4 RTN m, Dyn4-NZ State-RTN v + EDEN), "zipsr"
+                  (NF4 RTN m, Dyn4 Update-SR v) -- paper B Table 2.
+    Component overrides (each row of paper B Table 3 is one call), None keeps the preset's:
+      m_codebook, v_codebook: codebook names (codebooks.CODEBOOKS);
+      m_rounding: "rtn"|"sr"; v_rounding: "state-rtn"|"state-sr"|"update-rtn"|"update-sr";
+      eden: EDEN calibration of v blocks (Sec. 3.2);
+      lm_head_sr_after: progress fraction after which the parameters passed to mark_lm_head()
+        store their first moment with SR instead of RTN (0.9 for zipsr/zeeden; None = never).
+    block_size:   elements per scale block (power of two, default 128). A moment is quantized
+                  iff numel >= 4096 and numel % block_size == 0; others keep FP32 states.
+    impl:         "torch" (reference), "triton" (fused kernel, CUDA or TRITON_INTERPRET=1), or
+                  "auto" (triton on CUDA tensors, torch otherwise).
+    seed:         seeds the SR random bits; bits of step t depend only on (seed, t, parameter
+                  index), so a resumed run draws the same bits.
+
+    State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
+    exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise.
+    Raises ValueError/TypeError for bad hyperparameters, unknown names, sparse gradients.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 preset="zipsr", block_size=128, impl="auto", seed=0, *, m_codebook=None,
+                 m_rounding=None, v_codebook=None, v_rounding=None, eden=None,
+                 lm_head_sr_after="preset"):
+        if not isinstance(lr, (float, int, torch.Tensor)) or isinstance(lr, bool):
+            raise TypeError(f"lr must be a float or a 0-d tensor, got {type(lr).__name__}")
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError(f"lr tensor must have one element, got shape {tuple(lr.shape)}")
+        if float(lr) < 0:
+            raise ValueError(f"lr must be >= 0, got {float(lr)}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        if preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+        if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        cfg = dict(PRESETS[preset])
+        for k, v in dict(m_codebook=m_codebook, m_rounding=m_rounding, v_codebook=v_codebook,
+                         v_rounding=v_rounding, eden=eden).items():
+            if v is not None:
+                cfg[k] = v
+        if lm_head_sr_after != "preset":
+            cfg["lm_head_sr_after"] = lm_head_sr_after
+        quantized = cfg["m_codebook"] is not None
+        if quantized or any(x is not None for x in (m_codebook, v_codebook, m_rounding, v_rounding)):
+            for k in ("m_codebook", "v_codebook"):
+                if cfg[k] is None:
+                    raise ValueError(f"{k} must be set when the other moment is quantized "
+                                     f"(preset {preset!r})")
+                get_codebook(cfg[k])  # validates the name
+            if cfg["m_rounding"] not in ROUNDINGS:
+                raise ValueError(f"m_rounding must be one of {ROUNDINGS}, got {cfg['m_rounding']!r}")
+            if cfg["v_rounding"] not in V_ROUNDINGS:
+                raise ValueError(f"v_rounding must be one of {V_ROUNDINGS}, got {cfg['v_rounding']!r}")
+            if cfg["v_rounding"].startswith("update") and get_codebook(cfg["v_codebook"])[0] < 0:
+                raise ValueError(f"v_rounding={cfg['v_rounding']!r} needs a nonnegative v_codebook, "
+                                 f"got {cfg['v_codebook']!r}")
+        sr_after = cfg["lm_head_sr_after"]
+        if sr_after is not None and not 0.0 <= float(sr_after) <= 1.0:
+            raise ValueError(f"lm_head_sr_after must be None or in [0, 1], got {sr_after!r}")
+        cfg.update(preset=preset, block_size=block_size)
+        self.qcfg = cfg
+        self.impl = impl
+        self.seed = int(seed)
+        self.progress = 0.0
+        self._lm_head = set()
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    # ---- trainer hooks ----------------------------------------------------------------------
+    def mark_lm_head(self, param):
+        """Mark `param` (a tensor in this optimizer) as the LM head: its first moment switches
+        from RTN to SR once progress >= lm_head_sr_after (paper B, Sec. 4). ValueError if absent."""
+        if not any(param is p for g in self.param_groups for p in g["params"]):
+            raise ValueError("mark_lm_head: the tensor is not a parameter of this optimizer")
+        self._lm_head.add(id(param))
+
+    def set_progress(self, fraction):
+        """Tell the optimizer the training progress, a float in [0, 1] (step / total_steps)."""
+        fraction = float(fraction)
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"progress fraction must be in [0, 1], got {fraction}")
+        self.progress = fraction
+
+    def m_rounding_for(self, param):
+        """The first-moment rounding ("rtn"|"sr") that the next step uses for `param`."""
+        after = self.qcfg["lm_head_sr_after"]
+        if id(param) in self._lm_head and after is not None and self.progress >= after:
+            return "sr"
+        return self.qcfg["m_rounding"]
+
+    # ---- state --------------------------------------------------------------------------------
+    def is_quantized(self, p):
+        """True if p's moments are stored in 4 bits (quantized preset and eligible size)."""
+        B = self.qcfg["block_size"]
+        return (self.qcfg["m_codebook"] is not None and p.numel() >= MIN_QUANT_NUMEL
+                and p.numel() % B == 0)
+
+    def _init_state(self, p):
+        st = self.state[p]
+        st["step"] = torch.tensor(0.0)
+        if self.is_quantized(p):
+            n, B = p.numel(), self.qcfg["block_size"]
+            for k in ("exp_avg", "exp_avg_sq"):
+                # scale 0 decodes every code to 0: the zero initial moments of AdamW
+                st[k] = torch.zeros(n // 2, dtype=torch.uint8, device=p.device)
+                st[k + "_scale"] = torch.zeros(n // B, dtype=torch.float32, device=p.device)
+        else:
+            st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        return st
+
+    def state_nbytes(self):
+        """Persistent optimizer-state bytes: codes, scales and FP32 moments (the scalar step
+        counters are not counted). 1.0625 B/param on quantized tensors, 8 on FP32 ones."""
+        return sum(t.numel() * t.element_size() for st in self.state.values()
+                   for k, t in st.items() if k != "step" and torch.is_tensor(t))
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self):
+        """torch's state dict plus the quantizer configuration, seed, progress and LM-head marks."""
+        sd = super().state_dict()
+        sd["adam4bit"] = {k: self.qcfg[k] for k in sorted(self.qcfg)}
+        sd["adam4bit_extra"] = dict(seed=self.seed, progress=self.progress, lm_head=[
+            i for i, p in enumerate(self._params()) if id(p) in self._lm_head])
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Load a state_dict() of an AdamW4bit with the same preset, components and block_size;
+        packed codes and scales are restored exactly (and moved to each parameter's device).
+        Raises ValueError for a state dict of another configuration or of another optimizer."""
+        if "adam4bit" not in state_dict:
+            raise ValueError("not an AdamW4bit state dict (no 'adam4bit' entry); refusing to load")
+        saved = state_dict["adam4bit"]
+        mine = {k: self.qcfg[k] for k in sorted(self.qcfg)}
+        diff = {k: (saved.get(k), mine[k]) for k in mine if saved.get(k) != mine[k]}
+        if diff:
+            raise ValueError("optimizer state was written with another configuration "
+                             f"(saved, current): {diff}")
+        super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
+        # torch casts floating state to the parameter's dtype; scales and moments stay FP32.
+        params = self._params()
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            for k, t in state_dict["state"].get(pid, {}).items():
+                if k != "step" and torch.is_tensor(t) and t.is_floating_point():
+                    self.state[p][k] = t.detach().to(device=p.device, dtype=torch.float32).clone()
+        extra = state_dict.get("adam4bit_extra", {})
+        self.seed = int(extra.get("seed", self.seed))
+        self.progress = float(extra.get("progress", self.progress))
+        self._lm_head |= {id(params[i]) for i in extra.get("lm_head", [])}
+
+    # ---- step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step over all parameters with a gradient (update-before-storage)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = 0
+        for group in self.param_groups:
+            lr = group["lr"]
+            lr = float(lr.item()) if torch.is_tensor(lr) else float(lr)
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW4bit does not support sparse gradients; "
+                                       "use dense gradients (e.g. nn.Embedding(sparse=False))")
+                st = self.state[p] if self.state[p] else self._init_state(p)
+                st["step"] += 1
+                t = int(st["step"].item())
+                args = (p, p.grad, st, lr, b1, b2, group["eps"], group["weight_decay"], t)
+                if self.is_quantized(p):
+                    self._step_quantized_torch(*args, self.m_rounding_for(p),
+                                               self._step_seed(t, index))
+                else:
+                    _adamw_fp32_step(*args)
+        return loss
+
+    def _step_seed(self, t, index):
+        # Independent SR bits per (seed, step, parameter); 31 bits so both torch and Triton take it.
+        return (self.seed * 1_000_003 + t * 65_537 + index * 257) % (2 ** 31 - 1)
+
+    def _step_quantized_torch(self, p, grad, st, lr, b1, b2, eps, wd, t, m_rule, seed):
+        c, B = self.qcfg, self.qcfg["block_size"]
+        g = grad.reshape(-1).float()
+        m_prev = dequantize_blockwise(st["exp_avg"], st["exp_avg_scale"], c["m_codebook"], B)
+        v_prev = dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_scale"], c["v_codebook"], B)
+        m = m_prev * b1 + g * (1 - b1)
+        v = v_prev * b2 + g * g * (1 - b2)
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        w = p.detach().reshape(-1).float()
+        w = w * (1 - lr * wd) - (lr / bc1) * m / (v.sqrt() / math.sqrt(bc2) + eps)
+        p.copy_(w.view_as(p))
+        gen = torch.Generator(device=p.device).manual_seed(seed)
+        v_coord, v_rule = c["v_rounding"].split("-")
+        st["exp_avg"], st["exp_avg_scale"] = quantize_blockwise(
+            m, c["m_codebook"], B, m_rule, "state", generator=gen)
+        st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blockwise(
+            v, c["v_codebook"], B, v_rule, v_coord, bc2, eps, c["eden"], generator=gen)
+
+
+def _adamw_fp32_step(p, grad, st, lr, b1, b2, eps, wd, t):
+    """Plain AdamW on FP32 states, the same operation order as torch.optim.AdamW (single tensor)."""
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    g = grad.float()
+    w = p.detach().float()
+    w.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+    w.addcdiv_(m, denom, value=-lr / bc1)
+    p.copy_(w)
