@@ -339,13 +339,14 @@ class AdamW4bit(torch.optim.Optimizer):
             raise ValueError("optimizer state was written with another configuration "
                              f"(saved, current): {diff}")
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
-        # torch casts floating state to the parameter's dtype; scales and moments stay FP32.
+        # torch casts every state tensor to the parameter's dtype (uint8 codes too): put back the
+        # saved tensors with their own dtypes, on the parameter's device.
         params = self._params()
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for pid, p in zip(saved_ids, params):
             for k, t in state_dict["state"].get(pid, {}).items():
-                if k != "step" and torch.is_tensor(t) and t.is_floating_point():
-                    self.state[p][k] = t.detach().to(device=p.device, dtype=torch.float32).clone()
+                if k != "step" and torch.is_tensor(t):
+                    self.state[p][k] = t.detach().to(device=p.device).clone()
         extra = state_dict.get("adam4bit_extra", {})
         self.seed = int(extra.get("seed", self.seed))
         self.progress = float(extra.get("progress", self.progress))
