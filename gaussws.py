@@ -1,0 +1,904 @@
+"""
+Gaussian weight sampling (GaussWS) for pseudo-quantization training (PQT) — paper A in SPEC.md.
+
+A linear layer samples its weight at every training call (eq. 3):
+
+    w_hat = w + R ⊙ broadcast_32( max_32(|w|) · 2^(1 − b_t) )
+
+with square 32×32 tiles, a learnable per-tile bitwidth b_t = b_target + b_i·(b_init − b_target)
+(eq. 12, b_i initialised to 1) and noise R ≈ round(N(0,1)/2) in {−2..2} made from random bits with
+AND/OR only (eq. 10). Gradients follow eq. 4 (∂max/∂w ≈ 0):
+
+    ∂L/∂w = ∂L/∂w_hat,    ∂L/∂b_t = −ln2 · max_32(|w|) · 2^(1−b_t) · sum_32(∂L/∂w_hat ⊙ R)
+
+Implementation, as in §3.5: three steps, not fused.
+  (1) `generate_noise`: Philox4x32-10 (key = layer key, counter = (word index, call counter))
+      gives 4×32 random bits per packed word; each 16-bit half feeds one element through the recipe
+      of SPEC (sign = b0; |R|=2 iff (b1|b2)&b3&..&b10; else |R|=1 iff (b11|b12)&(b13|b14)&b15).
+      R is stored sign-magnitude, 4 bits per element, 8 per int32 (element j of a group in bits
+      [4j, 4j+4)); tensor shape (m, ceil(n/8)).
+  (2) `apply_noise`: one Triton kernel per 32-row × (BT·32)-column block reads w (any float dtype),
+      computes the tile maxima in registers (partial edge tiles are masked), unpacks R, adds
+      R·tilemax·2^(1−b_t) and writes w_hat (BF16 by default) plus the tile maxima (for backward).
+  (3) the matmul: plain `F.linear(x, w_hat, bias)`.
+The backward regenerates R from the forward's seed (bit-identical: same counter-based Philox) and
+one kernel computes sum_32(∂L/∂w_hat ⊙ R) and writes ∂L/∂w. A fused variant (`fused=True`) makes R
+inside the apply / grad kernels instead of going through the packed tensor.
+
+Every kernel has a plain-PyTorch reference here (`impl="torch"`) with identical math: Philox is
+re-implemented with int64 tensor ops, so the reference generator gives the same bits, the same
+packed R and the same w_hat (bit-exact for GaussWS, where R·scale is exact) as the kernels.
+`impl="auto"` picks Triton for CUDA tensors and the reference for CPU tensors; `impl="triton"` on
+CPU tensors needs TRITON_INTERPRET=1 (that is how the tests run the kernels).
+
+Seeds (§3.6): user seed → seed generator (`random.Random(seed)` in `apply_pqt`) → one key per
+layer → the layer's counter-based PRNG (Philox keyed by the layer key) whose stream number is the
+layer's call counter t. Both live in the int64 buffer `noise_state = [key, t]`, so
+`model.state_dict()` checkpoints them and a resumed run continues the same noise sequence. The
+counter advances at every training-mode forward; backward reuses the seed of its forward (saved
+in the autograd context), and activation recomputation (torch.utils.checkpoint, which re-runs the
+forward inside backward) reuses the previous seed instead of advancing. Under torch.compile the
+seed is a graph tensor, so any recomputation the compiler does uses it too.
+
+Memory modes: "save" (paper: autograd keeps w_hat in BF16 for ∂L/∂x, +2 B/param) and "recompute"
+(w_hat rebuilt in backward from (w, b_t, seed): no extra persistent bytes, one more
+generate+apply per backward).
+
+Baselines: DiffQ-style PQT (method="diffq"): same eq. 3 with R ~ U(−0.5, 0.5) stored in BF16
+(2 B/element of temporary noise), and Box–Muller (method="bm", `generate_noise` only): R =
+round(N(0,1)/2) from Philox + Box–Muller, packed like ours (the paper's "bm" kernel baseline).
+"""
+import math
+import os
+import random
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import triton
+import triton.language as tl
+
+TILE = 32  # b_l: square tile side (MX-style), SPEC "Sampling (eq. 3)"
+
+# eq. 10: exact law of R for method "gaussws"
+P2 = 0.75 * 2.0 ** -9                         # P(R=+2) = P(R=-2)
+P1 = 0.75 ** 2 * 2.0 ** -2 * (1.0 - 2 * P2)   # P(R=+1) = P(R=-1)
+P0 = 1.0 - 2 * P1 - 2 * P2
+NOISE_PROBS = {-2: P2, -1: P1, 0: P0, 1: P1, 2: P2}
+
+METHODS = ("gaussws", "diffq")
+GEN_METHODS = ("gaussws", "diffq", "bm")
+IMPLS = ("auto", "torch", "triton")
+MEMORY_MODES = ("save", "recompute")
+GPT2_PARTS = ("qkv", "out", "up", "down")
+LLAMA_PARTS = ("q", "k", "v", "out", "gate", "up", "down")
+ALL_PARTS = tuple(dict.fromkeys(GPT2_PARTS + LLAMA_PARTS))
+
+# launch configuration (tuned on H200, see bench_noise_draft.py); the bench may override these
+CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=4, apply_warps=4, grad_bt=4, grad_warps=4)
+
+_M32 = 0xFFFFFFFF
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks
+
+def tile_grid(m, n):
+    """Shape of the 32×32 tile grid of an (m, n) matrix: (ceil(m/32), ceil(n/32))."""
+    return (-(-m // TILE), -(-n // TILE))
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
+
+
+def _check_weight(w, name="w"):
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{name} has dtype {w.dtype}; allowed: float32, bfloat16, float16")
+    if w.numel() >= 2 ** 31:
+        raise ValueError(f"{name} has {w.numel()} elements; at most 2**31 - 1 are supported")
+
+
+def _check_tiles(t, w, name):
+    want = tile_grid(*w.shape)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {want}, got {type(t).__name__}")
+    if tuple(t.shape) != want:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; for a weight of shape {tuple(w.shape)} "
+                         f"it must be the 32x32 tile grid {want}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got dtype {t.dtype}")
+
+
+def _seed_tensor(seed, device):
+    """int seed s -> int64 tensor [s, 0] (key s, call counter 0); an int64 tensor [key, counter]
+    passes through (moved to `device`)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, torch.Tensor)):
+        raise TypeError(f"seed must be an int or an int64 tensor [key, counter], got {type(seed).__name__}")
+    if isinstance(seed, int):
+        if not 0 <= seed < 2 ** 63:
+            raise ValueError(f"seed={seed} must be in [0, 2**63)")
+        return torch.tensor([seed, 0], dtype=torch.int64, device=device)
+    if seed.dtype != torch.int64 or tuple(seed.shape) != (2,):
+        raise ValueError(f"seed tensor must be int64 of shape (2,) = [key, counter], "
+                         f"got dtype {seed.dtype} shape {tuple(seed.shape)}")
+    return seed.to(device)
+
+
+def _resolve_impl(impl, t):
+    _check_choice("impl", impl, IMPLS)
+    if impl == "auto":
+        return "triton" if t.is_cuda else "torch"
+    if impl == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("impl='triton' on CPU tensors needs the Triton interpreter "
+                           "(set TRITON_INTERPRET=1 before importing triton); use impl='torch' on CPU")
+    return impl
+
+
+# ----------------------------------------------------------------------------------------------
+# plain-PyTorch reference: Philox4x32-10 on int64 tensors holding uint32 values
+
+def _mulhilo(a, mult):
+    """(hi, lo) 32-bit halves of a·mult for uint32 a (int64 tensor) without int64 overflow."""
+    mh, ml = mult >> 16, mult & 0xFFFF
+    lo_p, hi_p = a * ml, a * mh                     # both < 2^48
+    t = lo_p + ((hi_p & 0xFFFF) << 16)              # < 2^49
+    return ((hi_p >> 16) + (t >> 32)) & _M32, t & _M32
+
+
+def _philox_torch(c0, c1, c2, c3, k0, k1, rounds=10):
+    """Philox4x32 (Salmon et al. 2011), the same rounds as Triton's tl.randint4x."""
+    for _ in range(rounds):
+        hi0, lo0 = _mulhilo(c0, _PHILOX_M0)
+        hi1, lo1 = _mulhilo(c2, _PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_W0) & _M32, (k1 + _PHILOX_W1) & _M32
+    return c0, c1, c2, c3
+
+
+def _philox_words_torch(seed, idx):
+    """4 random uint32 words (int64 tensors) for counters idx (int64) under seed=[key, counter]."""
+    key, ctr = seed[0], seed[1]
+    z = torch.zeros_like(idx)
+    return _philox_torch(idx & _M32, (idx >> 32) & _M32, z + (ctr & _M32), z + ((ctr >> 32) & _M32),
+                         key & _M32, (key >> 32) & _M32)
+
+
+def _nib2_torch(x):
+    """SPEC recipe on both 16-bit halves of uint32 words x at once (SWAR). Returns 8 bits per
+    word: low nibble = element from bits 0..15, high nibble = element from bits 16..31.
+    Nibble = sign<<3 | |R| (sign-magnitude; zero is always stored as +0)."""
+    lane = 0x00010001
+    o12 = (x >> 1) | (x >> 2)                       # bit 0: b1|b2
+    y = x & (x >> 1)
+    z = y & (y >> 2)
+    u = z & (z >> 4)                                # bit k: b_k & ... & b_{k+7}
+    is2 = o12 & (u >> 3) & lane                     # (b1|b2) & b3 & ... & b10   P = 3/4·2^-8
+    v = x | (x >> 1)
+    is1 = (v >> 11) & (v >> 13) & (x >> 15) & lane  # (b11|b12)&(b13|b14)&b15    P = 9/32
+    sign = x & (is1 | is2)                          # b0, only where R != 0
+    nib = (sign << 3) | (is2 << 1) | (is1 & (is2 ^ lane))
+    return (nib & 0xF) | ((nib >> 12) & 0xF0)
+
+
+def noise_from_bits_reference(bits16):
+    """R of eq. 10 from one 16-bit integer per element, literally as written in SPEC (readable
+    per-bit version of `_nib2_torch`, used by tests). bits16: int tensor, values in [0, 2^16)."""
+    b = [(bits16 >> i) & 1 for i in range(16)]
+    is2 = (b[1] | b[2]) & b[3] & b[4] & b[5] & b[6] & b[7] & b[8] & b[9] & b[10]
+    is1 = (b[11] | b[12]) & (b[13] | b[14]) & b[15]
+    mag = torch.where(is2 == 1, 2, torch.where(is1 == 1, 1, 0))
+    return torch.where(b[0] == 1, -mag, mag).to(torch.int8)
+
+
+def _to_int32(v):
+    """int64 tensor with uint32 values -> int32 with the same bits."""
+    return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
+
+
+def pack_noise(r):
+    """Pack R (int tensor (m, n), values in [-7, 7]) sign-magnitude, 4 bits/element, 8 elements
+    per int32 word, element j of a group in bits [4j, 4j+4). Returns int32 (m, ceil(n/8))."""
+    if r.dim() != 2:
+        raise ValueError(f"r must be 2-D, got shape {tuple(r.shape)}")
+    m, n = r.shape
+    r = F.pad(r.to(torch.int64), (0, -n % 8))
+    nib = r.abs().clamp_max(7) | ((r < 0).to(torch.int64) << 3)
+    shifts = 4 * torch.arange(8, device=r.device)
+    return _to_int32((nib.view(m, -1, 8) << shifts).sum(-1))
+
+
+def unpack_noise(packed, n):
+    """Inverse of `pack_noise`: int32 (m, ceil(n/8)) -> int8 R of shape (m, n)."""
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"packed must be a 2-D int32 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    if packed.shape[1] != -(-n // 8):
+        raise ValueError(f"packed has {packed.shape[1]} words per row; n={n} needs {-(-n // 8)}")
+    shifts = 4 * torch.arange(8, device=packed.device)
+    nib = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
+    r = (nib & 7) * (1 - 2 * (nib >> 3))
+    return r.reshape(packed.shape[0], -1)[:, :n].to(torch.int8)
+
+
+def _generate_torch(m, n, seed, method):
+    n8 = -(-n // 8)
+    if method == "gaussws":
+        idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
+        r = _philox_words_torch(seed, idx)
+        packed = sum(_nib2_torch(r[i]) << (8 * i) for i in range(4))
+        return _to_int32(packed).view(m, n8)
+    if method == "diffq":  # 16 random bits per element -> U(-0.5, 0.5), exact in fp32, then BF16
+        idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
+        r = _philox_words_torch(seed, idx)
+        h = torch.stack([(r[i // 2] >> (16 * (i % 2))) & 0xFFFF for i in range(8)], -1)  # (words, 8)
+        u = (h.to(torch.float32) + 0.5) * 2.0 ** -16 - 0.5
+        return u.to(torch.bfloat16).view(m, n8 * 8)[:, :n].contiguous()
+    # "bm": two Philox calls per packed word (counters 2p, 2p+1), Box–Muller, R = round(z/2)
+    idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
+    zs = []
+    for a in range(2):
+        r = _philox_words_torch(seed, 2 * idx + a)
+        for j in range(2):
+            u1 = (r[2 * j].to(torch.float32) + 1.0) * 2.0 ** -32
+            u2 = r[2 * j + 1].to(torch.float32) * 2.0 ** -32
+            rad = torch.sqrt(-2.0 * torch.log(u1))
+            zs += [rad * torch.cos(6.283185307179586 * u2), rad * torch.sin(6.283185307179586 * u2)]
+    z = torch.stack(zs, -1)                                            # (words, 8)
+    rr = torch.floor(z * 0.5 + 0.5).clamp(-7, 7).to(torch.int64)
+    return pack_noise(rr.view(m, n8 * 8))
+
+
+def _tile_max_torch(w):
+    m, n = w.shape
+    tm, tn = tile_grid(m, n)
+    a = F.pad(w.float().abs(), (0, tn * TILE - n, 0, tm * TILE - m))  # |w| >= 0: zero pad is neutral
+    return a.view(tm, TILE, tn, TILE).amax(dim=(1, 3))
+
+
+def _broadcast_tiles(t, m, n):
+    return t.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)[:m, :n]
+
+
+def _noise_values_torch(noise, method, n):
+    return unpack_noise(noise, n).float() if method == "gaussws" else noise.float()
+
+
+def _apply_torch(w, noise, pow2, method, out_dtype):
+    m, n = w.shape
+    tmax = _tile_max_torch(w)
+    scale = _broadcast_tiles(tmax * pow2.float(), m, n)
+    w_hat = (w.float() + _noise_values_torch(noise, method, n) * scale).to(out_dtype)
+    return w_hat, tmax
+
+
+def _grad_torch(g, noise, tmax, method, w_dtype):
+    m, n = g.shape
+    tm, tn = tmax.shape
+    gr = F.pad(g.float() * _noise_values_torch(noise, method, n), (0, tn * TILE - n, 0, tm * TILE - m))
+    return g.to(w_dtype, copy=True), tmax * gr.view(tm, TILE, tn, TILE).sum(dim=(1, 3))
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+
+@triton.jit
+def _philox(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on uint32 blocks (same rounds as tl.randint4x and `_philox_torch`)."""
+    M0: tl.constexpr = 0xD2511F53
+    M1: tl.constexpr = 0xCD9E8D57
+    W0: tl.constexpr = 0x9E3779B9
+    W1: tl.constexpr = 0xBB67AE85
+    for _ in tl.static_range(10):
+        _c0, _c2 = c0, c2
+        c0 = tl.umulhi(_c2, M1) ^ c1 ^ k0
+        c2 = tl.umulhi(_c0, M0) ^ c3 ^ k1
+        c1 = _c2 * M1
+        c3 = _c0 * M0
+        k0 = k0 + W0
+        k1 = k1 + W1
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _philox_words(seed_ptr, p):
+    """4 uint32 words for int32 counters p (word index) under seed = [key, counter] at seed_ptr."""
+    key = tl.load(seed_ptr)
+    ctr = tl.load(seed_ptr + 1)
+    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = p.to(tl.uint32)
+    z = c0 * 0
+    c2 = z + (ctr & 0xFFFFFFFF).to(tl.uint32)
+    c3 = z + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return _philox(c0, z, c2, c3, k0, k1)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """float32 -> dtype with round-to-nearest-even. BF16 is rounded with integer ops (the GPU's
+    cvt.rn gives the same bits; Triton's interpreter would truncate), NaN stays NaN."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        b = tl.where(x != x, 0x7FC0, b)
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif dtype == tl.float32:
+        return x
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _nib2(x):
+    """Triton twin of `_nib2_torch` (see there)."""
+    LANE: tl.constexpr = 0x00010001
+    o12 = (x >> 1) | (x >> 2)
+    y = x & (x >> 1)
+    z = y & (y >> 2)
+    u = z & (z >> 4)
+    is2 = o12 & (u >> 3) & LANE
+    v = x | (x >> 1)
+    is1 = (v >> 11) & (v >> 13) & (x >> 15) & LANE
+    sign = x & (is1 | is2)
+    nib = (sign << 3) | (is2 << 1) | (is1 & (is2 ^ LANE))
+    return (nib & 0xF) | ((nib >> 12) & 0xF0)
+
+
+@triton.jit
+def _packed_words(seed_ptr, p):
+    r0, r1, r2, r3 = _philox_words(seed_ptr, p)
+    return _nib2(r0) | (_nib2(r1) << 8) | (_nib2(r2) << 16) | (_nib2(r3) << 24)
+
+
+@triton.jit
+def _gen_gaussws_kernel(out_ptr, seed_ptr, n_words, BLOCK: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    packed = _packed_words(seed_ptr, p)
+    tl.store(out_ptr + p, packed.to(tl.int32, bitcast=True), mask=p < n_words)
+
+
+@triton.jit
+def _gen_diffq_kernel(out_ptr, seed_ptr, N, N8, n_words, BLOCK: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = p < n_words
+    row = p // N8
+    col0 = (p % N8) * 8
+    r0, r1, r2, r3 = _philox_words(seed_ptr, p)
+    for i in tl.static_range(8):
+        if i // 2 == 0:
+            r = r0
+        elif i // 2 == 1:
+            r = r1
+        elif i // 2 == 2:
+            r = r2
+        else:
+            r = r3
+        h = (r >> (16 * (i % 2))) & 0xFFFF
+        u = (h.to(tl.float32) + 0.5) * 0.0000152587890625 - 0.5   # 2^-16
+        tl.store(out_ptr + row * N + col0 + i, _cast(u, tl.bfloat16), mask=mask & (col0 + i < N))
+
+
+@triton.jit
+def _bm_pair(ra, rb):
+    u1 = (ra.to(tl.float32) + 1.0) * 2.3283064365386963e-10     # (0, 1]
+    u2 = rb.to(tl.float32) * 2.3283064365386963e-10
+    rad = tl.sqrt(-2.0 * tl.log(u1))
+    th = 6.283185307179586 * u2
+    return rad * tl.cos(th), rad * tl.sin(th)
+
+
+@triton.jit
+def _bm_nib(z):
+    r = tl.minimum(tl.maximum(tl.floor(z * 0.5 + 0.5), -7.0), 7.0).to(tl.int32)
+    return (tl.abs(r) | tl.where(r < 0, 8, 0)).to(tl.uint32)
+
+
+@triton.jit
+def _gen_bm_kernel(out_ptr, seed_ptr, n_words, BLOCK: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    packed = p.to(tl.uint32) * 0
+    for a in tl.static_range(2):
+        r0, r1, r2, r3 = _philox_words(seed_ptr, 2 * p + a)
+        z0, z1 = _bm_pair(r0, r1)
+        z2, z3 = _bm_pair(r2, r3)
+        packed = packed | (_bm_nib(z0) << (16 * a)) | (_bm_nib(z1) << (16 * a + 4))
+        packed = packed | (_bm_nib(z2) << (16 * a + 8)) | (_bm_nib(z3) << (16 * a + 12))
+    tl.store(out_ptr + p, packed.to(tl.int32, bitcast=True), mask=p < n_words)
+
+
+@triton.jit
+def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, N, N8, NOISE: tl.constexpr, BT: tl.constexpr):
+    """R as float32 for a (32, BT, 32) block. NOISE: 0 = packed GaussWS R from memory,
+    1 = dense BF16 DiffQ R from memory, 2 = GaussWS R generated here (fused variant)."""
+    if NOISE == 1:
+        r = tl.load(r_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
+    else:
+        if NOISE == 0:
+            word = tl.load(r_ptr + row * N8 + col // 8, mask=mask, other=0)
+            nib = (word >> ((col % 8) * 4)) & 0xF
+        else:
+            q = ti[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]    # word column, (1, BT, 4)
+            w = _packed_words(seed_ptr, row * N8 + q)                      # (32, BT, 4) packed words
+            # element 8q + j <- nibble j; interleave appends the least significant index bit
+            x0 = tl.interleave(w & 0xF, (w >> 16) & 0xF)                   # nibbles 0, 4
+            x1 = tl.interleave((w >> 8) & 0xF, (w >> 24) & 0xF)            # nibbles 2, 6
+            x2 = tl.interleave((w >> 4) & 0xF, (w >> 20) & 0xF)            # nibbles 1, 5
+            x3 = tl.interleave((w >> 12) & 0xF, (w >> 28) & 0xF)           # nibbles 3, 7
+            nib = tl.interleave(tl.interleave(x0, x1), tl.interleave(x2, x3)).to(tl.int32)
+        mag = (nib & 7).to(tl.float32)
+        r = tl.where((nib & 8) != 0, -mag, mag)
+    return r
+
+
+@triton.jit
+def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, M, N, N8, TN,
+                  NOISE: tl.constexpr, BT: tl.constexpr):
+    """Step (2) of §3.5: one program = 32 rows × BT tiles. w_hat = w + R·tilemax·2^(1-b_t)."""
+    ti = tl.program_id(1) * BT + tl.arange(0, BT)
+    row = tl.program_id(0) * 32 + tl.arange(0, 32)[:, None, None]
+    col = ti[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    mask = (row < M) & (col < N)
+    w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
+    tmax = tl.max(tl.max(tl.abs(w), axis=2), axis=0)                  # (BT,), edge tiles masked
+    tmask = ti < TN
+    pow2 = tl.load(pow2_ptr + tl.program_id(0) * TN + ti, mask=tmask, other=0.0)
+    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, N, N8, NOISE, BT)
+    w_hat = w + r * (tmax * pow2)[None, :, None]
+    tl.store(out_ptr + row * N + col, _cast(w_hat, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(tmax_ptr + tl.program_id(0) * TN + ti, tmax, mask=tmask)
+
+
+@triton.jit
+def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, M, N, N8, TN,
+                 NOISE: tl.constexpr, BT: tl.constexpr):
+    """eq. 4: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R)."""
+    ti = tl.program_id(1) * BT + tl.arange(0, BT)
+    row = tl.program_id(0) * 32 + tl.arange(0, 32)[:, None, None]
+    col = ti[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    mask = (row < M) & (col < N)
+    g = tl.load(g_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dw_ptr + row * N + col, _cast(g, dw_ptr.dtype.element_ty), mask=mask)
+    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, N, N8, NOISE, BT)
+    s = tl.sum(tl.sum(g * r, axis=2), axis=0)
+    tidx = tl.program_id(0) * TN + ti
+    tmask = ti < TN
+    tmax = tl.load(tmax_ptr + tidx, mask=tmask, other=0.0)
+    tl.store(dpow2_ptr + tidx, tmax * s, mask=tmask)
+
+
+@triton.jit
+def _tilemax_kernel(w_ptr, out_ptr, M, N, TN, BT: tl.constexpr):
+    ti = tl.program_id(1) * BT + tl.arange(0, BT)
+    row = tl.program_id(0) * 32 + tl.arange(0, 32)[:, None, None]
+    col = ti[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    w = tl.load(w_ptr + row * N + col, mask=(row < M) & (col < N), other=0.0).to(tl.float32)
+    tmax = tl.max(tl.max(tl.abs(w), axis=2), axis=0)
+    tl.store(out_ptr + tl.program_id(0) * TN + ti, tmax, mask=ti < TN)
+
+
+def _generate_triton(m, n, seed, method, block=None, num_warps=None):
+    n8 = -(-n // 8)
+    n_words = m * n8
+    block = block or CONFIG["gen_block"]
+    num_warps = num_warps or CONFIG["gen_warps"]
+    grid = (triton.cdiv(n_words, block),)
+    if method == "diffq":
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=seed.device)
+        _gen_diffq_kernel[grid](out, seed, n, n8, n_words, BLOCK=block, num_warps=num_warps)
+        return out
+    out = torch.empty(m, n8, dtype=torch.int32, device=seed.device)
+    kernel = _gen_gaussws_kernel if method == "gaussws" else _gen_bm_kernel
+    kernel[grid](out, seed, n_words, BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def _noise_mode(method, fused):
+    return 1 if method == "diffq" else (2 if fused else 0)
+
+
+def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None):
+    m, n = w.shape
+    tm, tn = tile_grid(m, n)
+    bt = bt or CONFIG["apply_bt"]
+    w_hat = torch.empty(m, n, dtype=out_dtype, device=w.device)
+    tmax = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
+    mode = _noise_mode(method, fused)
+    r = w if mode == 2 else noise   # unused pointer in fused mode
+    _apply_kernel[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed, m, n, -(-n // 8), tn,
+                                             NOISE=mode, BT=bt, num_warps=num_warps or CONFIG["apply_warps"])
+    return w_hat, tmax
+
+
+def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None):
+    m, n = g.shape
+    tm, tn = tmax.shape
+    bt = bt or CONFIG["grad_bt"]
+    dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
+    dpow2 = torch.empty(tm, tn, dtype=torch.float32, device=g.device)
+    mode = _noise_mode(method, fused)
+    r = g if mode == 2 else noise
+    _grad_kernel[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
+                                            NOISE=mode, BT=bt, num_warps=num_warps or CONFIG["grad_warps"])
+    return dw, dpow2
+
+
+# ----------------------------------------------------------------------------------------------
+# public functional API (non-differentiable steps)
+
+def generate_noise(shape, seed, method="gaussws", impl="auto", device=None):
+    """Step (1): noise R for a weight of `shape` = (m, n).
+
+    seed: int (key, counter 0) or int64 tensor [key, counter]. method: "gaussws" (eq. 10, packed
+    int32 (m, ceil(n/8)), 4 bits/element), "bm" (round(N(0,1)/2) by Box–Muller, same packing,
+    benchmark baseline) or "diffq" (U(-0.5, 0.5) as BF16 (m, n)). The same seed gives the same
+    R for impl "torch" and "triton" (bit-exact for "gaussws" and "diffq"; "bm" uses
+    transcendental functions whose last bits differ across backends).
+    Raises ValueError/TypeError on a bad shape, seed, method or impl."""
+    _check_choice("method", method, GEN_METHODS)
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"shape must be (m, n) with m, n >= 1, got {tuple(shape)}")
+    m, n = int(shape[0]), int(shape[1])
+    if m * n >= 2 ** 31:
+        raise ValueError(f"shape {shape} has {m * n} elements; at most 2**31 - 1 are supported")
+    dev = device if device is not None else (seed.device if isinstance(seed, torch.Tensor) else "cpu")
+    seed = _seed_tensor(seed, dev)
+    if _resolve_impl(impl, seed) == "triton":
+        return _generate_triton(m, n, seed, method)
+    return _generate_torch(m, n, seed, method)
+
+
+def tile_max(w, impl="auto"):
+    """max_32(|w|): float32 tensor of the tile grid shape (ceil(m/32), ceil(n/32)); edge tiles
+    are partial (the max over the elements that exist)."""
+    _check_weight(w)
+    w = w.contiguous()
+    if _resolve_impl(impl, w) == "torch":
+        return _tile_max_torch(w)
+    m, n = w.shape
+    tm, tn = tile_grid(m, n)
+    out = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
+    bt = CONFIG["apply_bt"]
+    _tilemax_kernel[(tm, triton.cdiv(tn, bt))](w, out, m, n, tn, BT=bt, num_warps=CONFIG["apply_warps"])
+    return out
+
+
+def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl="auto"):
+    """Step (2), eq. 3 without autograd: returns (w_hat (m, n) in out_dtype, tilemax float32 tiles).
+
+    w: (m, n) float32/bfloat16/float16 (non-contiguous is copied); noise: from `generate_noise`
+    with the same method; b_t: tile-grid tensor of bitwidths."""
+    _check_choice("method", method, METHODS)
+    _check_weight(w)
+    _check_tiles(b_t, w, "b_t")
+    w = w.contiguous()
+    m, n = w.shape
+    want = (m, -(-n // 8)) if method == "gaussws" else (m, n)
+    if tuple(noise.shape) != want:
+        raise ValueError(f"noise has shape {tuple(noise.shape)}; method={method!r} and w {tuple(w.shape)} need {want}")
+    pow2 = torch.exp2(1.0 - b_t.float()).contiguous()
+    if _resolve_impl(impl, w) == "torch":
+        return _apply_torch(w, noise, pow2, method, out_dtype)
+    return _apply_triton(w, noise.contiguous(), pow2, None, method, out_dtype, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd (eq. 4) as torch.library custom ops, so torch.compile treats them as opaque calls
+
+@torch.library.custom_op("gaussws::pqn_sample", mutates_args=())
+def _pqn_sample_op(w: torch.Tensor, pow2: torch.Tensor, seed: torch.Tensor, method: str,
+                   out_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = w.shape
+    if impl == "torch":
+        return _apply_torch(w, _generate_torch(m, n, seed, method), pow2, method, out_dtype)
+    noise = None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
+    return _apply_triton(w, noise, pow2, seed, method, out_dtype, fused)
+
+
+@_pqn_sample_op.register_fake
+def _(w, pow2, seed, method, out_dtype, impl, fused):
+    return w.new_empty(w.shape, dtype=out_dtype), pow2.new_empty(pow2.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("gaussws::pqn_grad", mutates_args=())
+def _pqn_grad_op(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, method: str,
+                 w_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n = g.shape
+    g = g.contiguous()
+    if impl == "torch":
+        return _grad_torch(g, _generate_torch(m, n, seed, method), tmax, method, w_dtype)
+    noise = None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
+    return _grad_triton(g, noise, tmax, seed, method, w_dtype, fused)
+
+
+@_pqn_grad_op.register_fake
+def _(g, tmax, seed, method, w_dtype, impl, fused):
+    return g.new_empty(g.shape, dtype=w_dtype), tmax.new_empty(tmax.shape)
+
+
+def _pqn_setup_context(ctx, inputs, output):
+    w, pow2, seed, method, out_dtype, impl, fused = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1], seed)   # tile maxima + seed: R is regenerated, not stored
+    ctx.args = (method, w.dtype, impl, fused)
+
+
+def _pqn_backward(ctx, g_w_hat, g_tmax):
+    tmax, seed = ctx.saved_tensors
+    dw, dpow2 = torch.ops.gaussws.pqn_grad(g_w_hat, tmax, seed, *ctx.args)
+    return dw, dpow2, None, None, None, None, None
+
+
+_pqn_sample_op.register_autograd(_pqn_backward, setup_context=_pqn_setup_context)
+
+
+def _check_sample_args(w, b_t, method, impl, seed):
+    _check_choice("method", method, METHODS)
+    _check_weight(w)
+    _check_tiles(b_t, w, "b_t")
+    return _resolve_impl(impl, w), _seed_tensor(seed, w.device)
+
+
+def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, impl="auto", fused=False):
+    """Differentiable w_hat = w + R ⊙ broadcast_32(max_32(|w|)·2^(1−b_t)) (eq. 3) with the
+    gradients of eq. 4 (∂L/∂w = ∂L/∂w_hat; ∂L/∂b_t = −ln2·max_32|w|·2^(1−b_t)·sum_32(∂L/∂w_hat ⊙ R),
+    R regenerated from `seed` in backward).
+
+    w: (m, n) float32 (bf16/fp16 accepted); b_t: (ceil(m/32), ceil(n/32)) float; seed: int or
+    int64 tensor [key, counter]; returns w_hat (m, n) in out_dtype (paper: BF16).
+    fused=True generates R inside the apply/grad kernels (GaussWS only; same R, same result)."""
+    impl, seed = _check_sample_args(w, b_t, method, impl, seed)
+    pow2 = torch.exp2(1.0 - b_t.float())   # autograd: d pow2 / d b_t = -ln2 · pow2 (eq. 4)
+    return torch.ops.gaussws.pqn_sample(w.contiguous(), pow2.contiguous(), seed, method, out_dtype, impl, fused)[0]
+
+
+class _RecomputeLinear(torch.autograd.Function):
+    """y = F.linear(x, w_hat, bias) that keeps no w_hat for backward: it is rebuilt from
+    (w, 2^(1-b_t), seed) there ("recompute" memory mode)."""
+
+    @staticmethod
+    def forward(ctx, x, w, pow2, seed, bias, method, impl, fused):
+        w_hat, tmax = torch.ops.gaussws.pqn_sample(w, pow2, seed, method, x.dtype, impl, fused)
+        ctx.save_for_backward(x, w, pow2, seed, tmax)
+        ctx.args = (method, impl, fused, bias is not None)
+        return F.linear(x, w_hat, bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w, pow2, seed, tmax = ctx.saved_tensors
+        method, impl, fused, has_bias = ctx.args
+        w_hat, _ = torch.ops.gaussws.pqn_sample(w, pow2, seed, method, x.dtype, impl, fused)
+        gy2 = gy.reshape(-1, gy.shape[-1]).to(x.dtype)
+        gx = (gy2 @ w_hat).view(x.shape)
+        g_w_hat = gy2.t() @ x.reshape(-1, x.shape[-1])
+        dw, dpow2 = torch.ops.gaussws.pqn_grad(g_w_hat, tmax, seed, method, w.dtype, impl, fused)
+        gb = gy2.sum(0) if has_bias else None
+        return gx, dw, dpow2, None, gb, None, None, None
+
+
+def _compute_dtype(x):
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="auto", fused=False):
+    """Linear layer with a sampled weight: F.linear(x, w_hat, bias), w_hat from eq. 3.
+
+    x: (..., n); w: (m, n); b_t: tile grid of w; bias: (m,) or None. w_hat is made in the compute
+    dtype (the autocast dtype when autocast is on — BF16 in training — else x.dtype).
+    memory="save": autograd keeps w_hat (paper, +2 B/param); "recompute": rebuilt in backward."""
+    _check_choice("memory", memory, MEMORY_MODES)
+    impl, seed = _check_sample_args(w, b_t, method, impl, seed)
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {w.shape[1]}")
+    cd = _compute_dtype(x)
+    pow2 = torch.exp2(1.0 - b_t.float()).contiguous()
+    if memory == "save":
+        w_hat = torch.ops.gaussws.pqn_sample(w.contiguous(), pow2, seed, method, cd, impl, fused)[0]
+        return F.linear(x, w_hat, bias)
+    xb = x.to(cd)
+    b = bias.to(cd) if bias is not None else None
+    with torch.autocast(x.device.type, enabled=False):
+        return _RecomputeLinear.apply(xb, w.contiguous(), pow2, seed, b, method, impl, fused)
+
+
+# ----------------------------------------------------------------------------------------------
+# module API
+
+def _splitmix64(x):
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def _in_backward_pass():
+    """True while the autograd engine runs a backward (where torch.utils.checkpoint re-runs
+    forwards); never true under torch.compile tracing."""
+    if torch.compiler.is_compiling():
+        return False
+    f = getattr(torch._C, "_current_graph_task_id", None)
+    return f is not None and f() != -1
+
+
+class GaussWSLinear(nn.Linear):
+    """Drop-in nn.Linear whose weight is sampled by eq. 3 in training mode (paper A).
+
+    Args: in_features, out_features, bias as nn.Linear; method "gaussws" (R of eq. 10) or "diffq"
+    (R ~ U(-0.5, 0.5) in BF16); b_init, b_target (eq. 12; defaults 6 and 4); seed: this layer's
+    seed (its Philox key is splitmix64(seed)); memory "save" (paper: w_hat kept in BF16 for
+    backward) or "recompute" (w_hat rebuilt in backward); impl "auto"|"torch"|"triton";
+    fused: generate R inside the apply/grad kernels (GaussWS, Triton).
+
+    Parameters: weight (out, in) and bias as nn.Linear, `b_i` (ceil(out/32), ceil(in/32)) init 1
+    (put weight decay on it to pull b_t to b_target). Buffer `noise_state` int64 [key, call
+    counter] (checkpointed by state_dict). The counter advances by one at every training-mode
+    forward (not at the re-run of a forward by activation checkpointing, which reuses the last
+    seed); eval mode uses w itself (no noise) unless `sample_in_eval` is set, in which case it
+    samples with the current state without advancing it.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, method="gaussws", b_init=6.0,
+                 b_target=4.0, seed=0, memory="save", impl="auto", fused=False, device=None, dtype=None):
+        _check_choice("method", method, METHODS)
+        _check_choice("memory", memory, MEMORY_MODES)
+        _check_choice("impl", impl, IMPLS)
+        for name, v in (("b_init", b_init), ("b_target", b_target)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 24:
+                raise ValueError(f"{name}={v!r} must be a number in (0, 24) bits")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be a non-negative int")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.method, self.memory, self.impl, self.fused = method, memory, impl, bool(fused)
+        self.b_init, self.b_target = float(b_init), float(b_target)
+        self.sample_in_eval = False
+        self.b_i = nn.Parameter(torch.ones(tile_grid(out_features, in_features), device=device,
+                                           dtype=torch.float32 if dtype is None else dtype))
+        key = _splitmix64(seed) & (2 ** 63 - 1)
+        self.register_buffer("noise_state", torch.tensor([key, 0], dtype=torch.int64, device=device))
+
+    @property
+    def b_t(self):
+        """Tile bitwidths (eq. 12), float32, differentiable w.r.t. b_i."""
+        return self.b_target + self.b_i.float() * (self.b_init - self.b_target)
+
+    def _next_seed(self):
+        seed = self.noise_state.clone()
+        if not self.training:
+            return seed
+        if _in_backward_pass():      # activation recomputation of the last call: same seed
+            seed[1] -= 1
+        else:
+            with torch.no_grad():
+                self.noise_state[1] += 1
+        return seed
+
+    def forward(self, x):
+        if not (self.training or self.sample_in_eval):
+            return F.linear(x, self.weight, self.bias)
+        return pqt_linear(x, self.weight, self.b_t, self.bias, self._next_seed(), method=self.method,
+                          memory=self.memory, impl=self.impl, fused=self.fused)
+
+    def extra_repr(self):
+        return (super().extra_repr() + f", method={self.method}, b_init={self.b_init}, "
+                f"b_target={self.b_target}, memory={self.memory}")
+
+
+def _parse_parts(parts):
+    if not isinstance(parts, str):
+        raise TypeError(f"parts must be a string, got {type(parts).__name__}")
+    if parts == "all":
+        return set(ALL_PARTS)
+    if parts == "od":
+        return {"out", "down"}
+    names = [p.strip() for p in parts.split(",") if p.strip()]
+    bad = [p for p in names if p not in ALL_PARTS]
+    if not names or bad:
+        raise ValueError(f"parts={parts!r}: unknown part(s) {bad or [parts]}; allowed: 'all', 'od' "
+                         f"or a comma list of {', '.join(ALL_PARTS)}")
+    return set(names)
+
+
+def apply_pqt(model, method="gaussws", parts="all", b_init=6, b_target=4, seed=0, memory="save",
+              impl="auto", fused=False):
+    """Replace the nn.Linear layers named in `parts` inside `model.blocks` by GaussWSLinear
+    (same weight and bias Parameters, device and dtype). parts: "all", "od" (out + down) or a
+    comma list of qkv,out,up,down (GPT-2) / q,k,v,out,gate,up,down (Llama). Embeddings, norms and
+    the LM head (outside model.blocks) are never sampled. Layer seeds come from
+    random.Random(seed) in module order (§3.6 seed generator). Returns the replaced names
+    ("blocks.0.attn.qkv", ...). Raises ValueError when nothing matches."""
+    _check_choice("method", method, METHODS)
+    _check_choice("memory", memory, MEMORY_MODES)
+    wanted = _parse_parts(parts)
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.Module):
+        raise ValueError(f"model {type(model).__name__} has no nn.Module attribute 'blocks' to apply PQT to")
+    rng = random.Random(seed)
+    replaced = []
+    for bname, block in list(blocks.named_modules(prefix="blocks")):
+        for cname, child in list(block.named_children()):
+            if cname not in wanted or type(child) is not nn.Linear:
+                continue
+            layer = GaussWSLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                                  method=method, b_init=b_init, b_target=b_target,
+                                  seed=rng.getrandbits(62), memory=memory, impl=impl, fused=fused,
+                                  device=child.weight.device, dtype=child.weight.dtype)
+            layer.weight = child.weight
+            if child.bias is not None:
+                layer.bias = child.bias
+            layer.train(child.training)
+            setattr(block, cname, layer)
+            replaced.append(f"{bname}.{cname}")
+    if not replaced:
+        raise ValueError(f"apply_pqt: no nn.Linear named in parts={parts!r} found inside model.blocks")
+    return replaced
+
+
+def pqt_layers(model):
+    """(name, GaussWSLinear) pairs of a model."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, GaussWSLinear)]
+
+
+def bitwidth_penalty(model):
+    """Σ_layers mean_tiles |b_t − b_target| (the λ term of §3.6; the trainer multiplies by λ).
+    Scalar float32 tensor, differentiable w.r.t. every b_i; 0 when the model has no PQT layer."""
+    terms = [(m.b_t - m.b_target).abs().mean() for _, m in pqt_layers(model)]
+    if not terms:
+        p = next(model.parameters(), None)
+        return torch.zeros((), device=p.device if p is not None else "cpu")
+    return torch.stack(terms).sum()
+
+
+def fp_tier(b_t):
+    """Smallest floating-point format of Table C (Prop. 4) that holds a bitwidth: b_t ≤ 5 → FP8
+    e3m4, ≤ 9 → FP12 e4m7, ≤ 12 → FP16 e5m10, else wider than FP16."""
+    for limit, name in ((5, "FP8 e3m4"), (9, "FP12 e4m7"), (12, "FP16 e5m10")):
+        if b_t <= limit:
+            return name
+    return ">FP16"
+
+
+def _tile_counts(m, n):
+    tm, tn = tile_grid(m, n)
+    rows = torch.full((tm,), TILE, dtype=torch.float64)
+    cols = torch.full((tn,), TILE, dtype=torch.float64)
+    rows[-1], cols[-1] = m - TILE * (tm - 1), n - TILE * (tn - 1)
+    return rows[:, None] * cols[None, :]          # parameters per tile (edge tiles are partial)
+
+
+def _stats(bt, cnt):
+    tot = cnt.sum()
+    mean = (bt * cnt).sum() / tot
+    std = ((bt - mean) ** 2 * cnt).sum().div(tot).sqrt()
+    out = dict(mean=mean.item(), std=std.item(), min=bt.min().item(), max=bt.max().item(),
+               params=int(tot.item()))
+    for lim in (5, 9, 12):
+        out[f"share_le{lim}"] = (cnt[bt <= lim].sum() / tot).item()
+    out["tier"] = fp_tier(out["max"])
+    return out
+
+
+def bitwidth_stats(model):
+    """Figure 5 statistics of b_t (eq. 12), parameter-weighted (edge tiles count their real size).
+
+    Returns {layer name: {mean, std, min, max, params, share_le5, share_le9, share_le12, tier}}
+    plus the key "all" aggregating every PQT layer; `tier` is the Table C format for the max."""
+    out, bts, cnts = {}, [], []
+    for name, m in pqt_layers(model):
+        bt = m.b_t.detach().double().cpu()
+        cnt = _tile_counts(m.out_features, m.in_features)
+        out[name] = _stats(bt, cnt)
+        bts.append(bt.flatten())
+        cnts.append(cnt.flatten())
+    if bts:
+        out["all"] = _stats(torch.cat(bts), torch.cat(cnts))
+    return out
