@@ -21,8 +21,11 @@ This file holds the plain-PyTorch reference (the specification, used on CPU and 
 impl="torch"); the fused Triton step lives beside it.
 """
 import math
+import os
 
 import torch
+import triton
+import triton.language as tl
 
 from codebooks import get_codebook
 
@@ -33,13 +36,19 @@ ROUNDINGS = ("rtn", "sr")
 COORDS = ("state", "update")
 
 
+def sqrt_rn(x):
+    """Correctly rounded float32 sqrt (torch's vectorized CPU sqrt may be off by one ulp); the
+    float64 detour rounds correctly, so the reference and the kernel's sqrt_rn agree bit for bit."""
+    return x.double().sqrt().float()
+
+
 def preconditioner(v, bias_correction2, eps):
     """h_t(v) = 1 / (sqrt(v) / sqrt(1 - b2^t) + eps) (paper B, Sec. 3.1), elementwise, float32.
 
     Written with sqrt(v)/sqrt(bc2), the same operation order as the AdamW denominator, so the
     update coordinate is exactly the quantity the parameter update divides by.
     """
-    return 1.0 / (v.sqrt() / math.sqrt(bias_correction2) + eps)
+    return 1.0 / (sqrt_rn(v) / math.sqrt(bias_correction2) + eps)
 
 
 def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, eps=1e-8, u=None):
@@ -102,8 +111,8 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     rule/coord: "rtn"|"sr" and "state"|"update"; coord="update" rounds in h_t space with
               bias_correction2 = 1 - b2^t of the step being stored, and eps of AdamW.
     eden:     EDEN calibration (paper B, Sec. 3.2): stored scale = c_tau * s with
-              c_tau = ||y||² / max(<y, T[code]>, tau), y = x/s, tau = 1e-12 (the normalized form);
-              an all-zero block gets c_tau = 0 and decodes to zero.
+              c_tau = ||y||² / max(<y, T[code]>, tau), y = x/s, tau = 1e-12 (the normalized form,
+              sums in float64); an all-zero block gets c_tau = 0 and decodes to zero.
     u:        optional float32 uniforms in [0, 1) shaped like x for rule="sr" (else drawn with
               torch.rand(generator=generator)).
     Returns (packed uint8 (numel/2,), scales float32 (numel/block_size,)).
@@ -122,8 +131,10 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     if eden:
         y = xb / s[:, None]
         q = T[codes]
-        c = (y * y).sum(1) / torch.clamp((y * q).sum(1), min=1e-12)
-        s = c * s
+        # float64 sums: the Triton kernel reduces in another order, and in float64 both round to
+        # the same float32 c (the products y*y, y*q are float32 in both).
+        c = (y * y).double().sum(1) / (y * q).double().sum(1).clamp(min=1e-12)
+        s = c.float() * s
     return pack_nibbles(codes.view(-1)), s
 
 
@@ -263,6 +274,7 @@ class AdamW4bit(torch.optim.Optimizer):
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
+        self._codebooks, self._prog_tables = {}, {}     # per-device caches of the Triton path
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -355,7 +367,12 @@ class AdamW4bit(torch.optim.Optimizer):
     # ---- step ---------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step over all parameters with a gradient (update-before-storage)."""
+        """One AdamW step over all parameters with a gradient (update-before-storage).
+
+        Quantized tensors go through the fused Triton kernel (one launch per group of tensors
+        sharing step, gradient dtype and first-moment rule) or the torch reference; FP32-state
+        tensors through torch's fused AdamW on CUDA, the reference loop elsewhere.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -364,7 +381,8 @@ class AdamW4bit(torch.optim.Optimizer):
         for group in self.param_groups:
             lr = group["lr"]
             lr = float(lr.item()) if torch.is_tensor(lr) else float(lr)
-            b1, b2 = group["betas"]
+            hp = (lr, *group["betas"], group["eps"], group["weight_decay"])
+            fp32, quant = [], {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -375,19 +393,38 @@ class AdamW4bit(torch.optim.Optimizer):
                 st = self.state[p] if self.state[p] else self._init_state(p)
                 st["step"] += 1
                 t = int(st["step"].item())
-                args = (p, p.grad, st, lr, b1, b2, group["eps"], group["weight_decay"], t)
-                if self.is_quantized(p):
-                    self._step_quantized_torch(*args, self.m_rounding_for(p),
-                                               self._step_seed(t, index))
+                if not self.is_quantized(p):
+                    fp32.append((p, st, t))
+                    continue
+                m_rule, seed = self.m_rounding_for(p), self._step_seed(t, index)
+                if self._use_triton(p):
+                    quant.setdefault((t, p.grad.dtype, m_rule), []).append((p, st, seed))
                 else:
-                    _adamw_fp32_step(*args)
+                    self._step_quantized_torch(p, p.grad, st, *hp, t, m_rule, seed)
+            _adamw_fp32_steps(fp32, *hp)
+            for (t, _, m_rule), items in quant.items():
+                self._step_quantized_triton(items, *hp, t, m_rule)
         return loss
+
+    def _use_triton(self, p):
+        if self.impl == "torch":
+            return False
+        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        ok = (p.is_cuda or interp) and p.dtype == torch.float32 and p.is_contiguous() and \
+            p.grad.dtype in (torch.float32, torch.bfloat16) and p.grad.is_contiguous()
+        if self.impl == "triton" and not ok:
+            raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
+                             "contiguous float32 parameters and float32/bfloat16 gradients; got "
+                             f"{p.device} {p.dtype} param, {p.grad.dtype} grad")
+        return ok and (p.is_cuda or self.impl == "triton")
 
     def _step_seed(self, t, index):
         # Independent SR bits per (seed, step, parameter); 31 bits so both torch and Triton take it.
         return (self.seed * 1_000_003 + t * 65_537 + index * 257) % (2 ** 31 - 1)
 
-    def _step_quantized_torch(self, p, grad, st, lr, b1, b2, eps, wd, t, m_rule, seed):
+    def _step_quantized_torch(self, p, grad, st, lr, b1, b2, eps, wd, t, m_rule, seed, u=None):
+        """Reference step of one quantized tensor (paper B, Sec. 2.1). `u`: optional pair of
+        uniform tensors (for m, for v) replacing the generator's SR bits, for kernel tests."""
         c, B = self.qcfg, self.qcfg["block_size"]
         g = grad.reshape(-1).float()
         m_prev = dequantize_blockwise(st["exp_avg"], st["exp_avg_scale"], c["m_codebook"], B)
@@ -396,25 +433,183 @@ class AdamW4bit(torch.optim.Optimizer):
         v = v_prev * b2 + g * g * (1 - b2)
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         w = p.detach().reshape(-1).float()
-        w = w * (1 - lr * wd) - (lr / bc1) * m / (v.sqrt() / math.sqrt(bc2) + eps)
+        w = w * (1 - lr * wd) - (lr / bc1) * m / (sqrt_rn(v) / math.sqrt(bc2) + eps)
         p.copy_(w.view_as(p))
         gen = torch.Generator(device=p.device).manual_seed(seed)
+        u_m, u_v = u if u is not None else (None, None)
         v_coord, v_rule = c["v_rounding"].split("-")
         st["exp_avg"], st["exp_avg_scale"] = quantize_blockwise(
-            m, c["m_codebook"], B, m_rule, "state", generator=gen)
+            m, c["m_codebook"], B, m_rule, "state", u=u_m, generator=gen)
         st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blockwise(
-            v, c["v_codebook"], B, v_rule, v_coord, bc2, eps, c["eden"], generator=gen)
+            v, c["v_codebook"], B, v_rule, v_coord, bc2, eps, c["eden"], u=u_v, generator=gen)
+
+    def _step_quantized_triton(self, items, lr, b1, b2, eps, wd, t, m_rule, u=None):
+        """Fused step of many quantized tensors in one kernel launch (items: (param, state, seed))."""
+        c, B = self.qcfg, self.qcfg["block_size"]
+        dev = items[0][0].device
+        cbs = self._codebooks.get(dev)
+        if cbs is None:
+            cbs = self._codebooks[dev] = tuple(get_codebook(c[k]).to(dev) for k in ("m_codebook", "v_codebook"))
+        numels = tuple(p.numel() for p, _, _ in items)
+        nb = 8 if B <= 128 else 1                      # scale blocks per program
+        progs = self._prog_tables.get((dev, B, numels))
+        if progs is None:
+            counts = torch.tensor([triton.cdiv(n // B, nb) for n in numels])
+            starts = torch.cumsum(counts, 0) - counts
+            prog_tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
+            progs = self._prog_tables[(dev, B, numels)] = (
+                prog_tensor.to(torch.int32).to(dev), starts.to(torch.int32).to(dev), int(counts.sum()))
+        rows = [[p.data_ptr() for p, _, _ in items], [p.grad.data_ptr() for p, _, _ in items]]
+        rows += [[st[k].data_ptr() for _, st, _ in items]
+                 for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")]
+        rows += [list(numels), [sd for _, _, sd in items]]
+        if u is not None:
+            rows += [[x.data_ptr() for x, _ in u], [x.data_ptr() for _, x in u]]
+        tab = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        v_coord, v_rule = c["v_rounding"].split("-")
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
+        _adamw4bit_kernel[(progs[2],)](
+            progs[0], progs[1], tab, len(items), cbs[0], cbs[1],
+            1 - lr * wd, lr / bc1, b1, 1 - b1, b2, 1 - b2, math.sqrt(bc2), eps,
+            M_K=cbs[0].numel(), V_K=cbs[1].numel(), M_SR=m_rule == "sr", V_SR=v_rule == "sr",
+            V_UPDATE=v_coord == "update", EDEN=bool(c["eden"]),
+            GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16, HAS_U=u is not None,
+            BS=B, NB=nb, num_warps=4, **extra)
 
 
-def _adamw_fp32_step(p, grad, st, lr, b1, b2, eps, wd, t):
-    """Plain AdamW on FP32 states, the same operation order as torch.optim.AdamW (single tensor)."""
-    m, v = st["exp_avg"], st["exp_avg_sq"]
-    g = grad.float()
-    w = p.detach().float()
-    w.mul_(1 - lr * wd)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-    denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-    w.addcdiv_(m, denom, value=-lr / bc1)
-    p.copy_(w)
+def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
+    """AdamW on FP32 states (paper B's 32-bit baseline; also tensors too small to quantize).
+    CUDA: torch's fused AdamW kernel, one launch per step value. Elsewhere: the reference loop, in
+    torch.optim.AdamW's single-tensor operation order (matches it to rounding)."""
+    if not items:
+        return
+    if items[0][0].is_cuda and all(p.dtype == torch.float32 for p, _, _ in items):
+        by_t = {}
+        for p, st, t in items:
+            by_t.setdefault(t, []).append((p, st))
+        for t, its in by_t.items():
+            ps = [p for p, _ in its]
+            step = torch.full((), float(t), device=ps[0].device)
+            torch._fused_adamw_(ps, [p.grad.float() for p in ps], [st["exp_avg"] for _, st in its],
+                                [st["exp_avg_sq"] for _, st in its], [], [step] * len(ps),
+                                lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+                                amsgrad=False, maximize=False)
+        return
+    for p, st, t in items:
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        g = p.grad.float()
+        w = p.detach().float()
+        w.mul_(1 - lr * wd)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / bc1)
+        p.copy_(w)
+
+
+# --------------------------------------------------------------------------------------------
+# the fused Triton step: one pass over param, grad and both packed moments
+
+@triton.jit
+def _decode(q_ptr, s_ptr, cb_ptr, rows, rmask, BS: tl.constexpr, NB: tl.constexpr):
+    # packed uint8 (NB, BS/2) -> codes (NB, BS) -> s * T[code], as dequantize_blockwise
+    pcols = tl.arange(0, BS // 2)
+    packed = tl.load(q_ptr + rows[:, None] * (BS // 2) + pcols[None, :], mask=rmask[:, None], other=0)
+    codes = tl.reshape(tl.join(packed & 15, packed >> 4), (NB, BS))
+    scale = tl.load(s_ptr + rows, mask=rmask, other=0.0)
+    return scale[:, None] * tl.load(cb_ptr + codes.to(tl.int32))
+
+
+@triton.jit
+def _h(z, sqrt_bc2, eps):
+    # preconditioner h_t(z) = 1 / (sqrt(z)/sqrt(1-b2^t) + eps), IEEE-rounded like torch
+    return tl.div_rn(1.0, tl.div_rn(tl.sqrt_rn(z), sqrt_bc2) + eps)
+
+
+@triton.jit
+def _encode(x, q_ptr, s_ptr, cb_ptr, rows, rmask, u, sqrt_bc2, eps, K: tl.constexpr,
+            SR: tl.constexpr, UPDATE: tl.constexpr, EDEN: tl.constexpr, BS: tl.constexpr,
+            NB: tl.constexpr):
+    # quantize_blockwise + pack_nibbles for NB blocks, same float32 operations as the reference
+    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+    count = tl.zeros((NB, BS), dtype=tl.int32)
+    for k in tl.static_range(K):
+        count += (s[:, None] * tl.load(cb_ptr + k) <= x).to(tl.int32)
+    lo = tl.minimum(tl.maximum(count - 1, 0), K - 2)
+    a = s[:, None] * tl.load(cb_ptr + lo)
+    b = s[:, None] * tl.load(cb_ptr + lo + 1)
+    if UPDATE:
+        fa, fb, fx = _h(a, sqrt_bc2, eps), _h(b, sqrt_bc2, eps), _h(x, sqrt_bc2, eps)
+    else:
+        fa, fb, fx = a, b, x
+    p = tl.div_rn(fb - fx, fb - fa)
+    if SR:
+        codes = tl.where(u < p, lo, lo + 1)
+    else:
+        codes = tl.where(p > 0.5, lo, lo + 1)
+    if EDEN:
+        y = tl.div_rn(x, s[:, None])
+        q = tl.load(cb_ptr + codes)
+        yy = tl.sum((y * y).to(tl.float64), axis=1)
+        yq = tl.maximum(tl.sum((y * q).to(tl.float64), axis=1), 1e-12)
+        s = (yy / yq).to(tl.float32) * s
+    lo4, hi4 = tl.split(tl.reshape(codes.to(tl.uint8), (NB, BS // 2, 2)))
+    pcols = tl.arange(0, BS // 2)
+    tl.store(q_ptr + rows[:, None] * (BS // 2) + pcols[None, :], lo4 | (hi4 << 4), mask=rmask[:, None])
+    tl.store(s_ptr + rows, s, mask=rmask)
+
+
+@triton.jit
+def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb,
+                      decay, step_size, b1, one_minus_b1, b2, one_minus_b2, sqrt_bc2, eps,
+                      M_K: tl.constexpr, V_K: tl.constexpr, M_SR: tl.constexpr,
+                      V_SR: tl.constexpr, V_UPDATE: tl.constexpr, EDEN: tl.constexpr,
+                      GRAD_BF16: tl.constexpr, HAS_U: tl.constexpr, BS: tl.constexpr,
+                      NB: tl.constexpr):
+    # tab rows (int64, n_tensors each): param, grad, m codes, m scales, v codes, v scales
+    # pointers; numel; SR seed; [u_m, u_v pointers if HAS_U]. Each program does NB blocks.
+    pid = tl.program_id(0)
+    ti = tl.load(prog_tensor + pid)
+    first = (pid - tl.load(prog_start + ti)).to(tl.int64) * NB
+    numel = tl.load(tab + 6 * n_tensors + ti)
+    rows = first + tl.arange(0, NB)                                   # int64 block indices
+    rmask = rows < numel // BS
+    offs = rows[:, None] * BS + tl.arange(0, BS)[None, :]
+    mask = rmask[:, None]
+    p_ptr = tl.load(tab + ti).to(tl.pointer_type(tl.float32))
+    if GRAD_BF16:
+        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.bfloat16))
+    else:
+        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.float32))
+    mq = tl.load(tab + 2 * n_tensors + ti).to(tl.pointer_type(tl.uint8))
+    ms = tl.load(tab + 3 * n_tensors + ti).to(tl.pointer_type(tl.float32))
+    vq = tl.load(tab + 4 * n_tensors + ti).to(tl.pointer_type(tl.uint8))
+    vs = tl.load(tab + 5 * n_tensors + ti).to(tl.pointer_type(tl.float32))
+
+    w = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = _decode(mq, ms, m_cb, rows, rmask, BS, NB) * b1 + g * one_minus_b1
+    v = _decode(vq, vs, v_cb, rows, rmask, BS, NB) * b2 + g * g * one_minus_b2
+    w = w * decay - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps)
+    tl.store(p_ptr + offs, w, mask=mask)
+
+    # SR uniforms: Philox keyed by the per-(step, tensor) seed, or given ones (kernel tests)
+    seed = tl.load(tab + 7 * n_tensors + ti).to(tl.int32)
+    um = 0.0
+    uv = 0.0
+    if M_SR:
+        if HAS_U:
+            um = tl.load(tl.load(tab + 8 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + offs,
+                         mask=mask, other=0.0)
+        else:
+            um = tl.rand(seed, offs)
+    if V_SR:
+        if HAS_U:
+            uv = tl.load(tl.load(tab + 9 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + offs,
+                         mask=mask, other=0.0)
+        else:
+            uv = tl.rand(seed ^ 0x2545F491, offs)
+    _encode(m, mq, ms, m_cb, rows, rmask, um, sqrt_bc2, eps, M_K, M_SR, False, False, BS, NB)
+    _encode(v, vq, vs, v_cb, rows, rmask, uv, sqrt_bc2, eps, V_K, V_SR, V_UPDATE, EDEN, BS, NB)
