@@ -6,6 +6,9 @@ implementation with probability about 2*Phi(-z) (z = 5: 6e-7), and every random 
 """
 import io
 import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
 
 import pytest
 import torch
@@ -472,3 +475,142 @@ def test_diagnostics():
     packed, s = A.quantize_blockwise(m, "nf4")
     err = A.relative_rms_error(m, A.dequantize_blockwise(packed, s, "nf4"))
     assert 0.03 < err < 0.15
+
+
+# =============================================================================================
+# adam4bit.py: the fused Triton step (runs through TRITON_INTERPRET=1 on CPU)
+
+# multiples of 128 but not of the kernel's 8 x 128 elements per program, and a tensor left FP32
+KERNEL_SHAPES = [(4096,), (33, 384), (40, 128), (100,)]
+
+
+def _twin_optimizers(**kw):
+    torch.manual_seed(11)
+    ref = [torch.nn.Parameter(torch.randn(*s)) for s in KERNEL_SHAPES]
+    ker = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    return (ref, A.AdamW4bit(ref, lr=1e-2, impl="torch", **kw),
+            ker, A.AdamW4bit(ker, lr=1e-2, impl="triton", **kw))
+
+
+def _set_grads(ps_a, ps_b, g, dtype=torch.float32):
+    for a, b in zip(ps_a, ps_b):
+        a.grad_dtype = b.grad_dtype = None
+        grad = (torch.randn(a.shape, generator=g) * 10 ** torch.empty(1).uniform_(-4, -1, generator=g)).to(dtype)
+        a.grad, b.grad = grad.clone(), grad.clone()
+
+
+@pytest.mark.parametrize("kw", [dict(preset="torchao"), dict(preset="zeeden"),
+                                dict(preset="zipsr", v_rounding="update-rtn")],
+                         ids=["torchao", "zeeden", "update-rtn"])
+def test_kernel_rtn_bit_identical_to_reference_over_steps(kw):
+    ref, o_ref, ker, o_ker = _twin_optimizers(**kw)
+    g = torch.Generator().manual_seed(12)
+    for step in range(6):
+        _set_grads(ref, ker, g, torch.bfloat16 if step % 2 else torch.float32)
+        o_ref.step()
+        o_ker.step()
+    for a, b in zip(ref, ker):
+        assert torch.equal(a, b)
+        for k in o_ref.state[a]:
+            assert torch.equal(o_ref.state[a][k], o_ker.state[b][k]), k
+
+
+@pytest.mark.parametrize("kw", [dict(preset="zipsr"), dict(preset="zipsr", m_rounding="sr"),
+                                dict(preset="zipsr", v_rounding="state-sr")],
+                         ids=["zipsr", "m-sr", "state-sr"])
+def test_kernel_sr_equals_reference_given_the_same_bits(kw):
+    ref, o_ref, ker, o_ker = _twin_optimizers(**kw)
+    g = torch.Generator().manual_seed(13)
+    for _ in range(3):
+        _set_grads(ref, ker, g)
+        o_ref.step()
+        o_ker.step()
+        for a, b in zip(ref, ker):        # keep both on the same trajectory despite SR
+            b.data.copy_(a.data)
+            for k in o_ref.state[a]:
+                o_ker.state[b][k].copy_(o_ref.state[a][k])
+    _set_grads(ref, ker, g)
+    m_rule = o_ref.qcfg["m_rounding"]
+    with torch.no_grad():   # the private step functions expect step()'s no_grad
+        items, us = [], []
+        for i, (a, b) in enumerate(zip(ref, ker)):
+            if not o_ref.is_quantized(a):
+                continue
+            u = (torch.rand(a.numel(), generator=g), torch.rand(a.numel(), generator=g))
+            for o, p in ((o_ref, a), (o_ker, b)):
+                o.state[p]["step"] += 1
+            t = int(o_ref.state[a]["step"])
+            o_ref._step_quantized_torch(a, a.grad, o_ref.state[a], 1e-2, 0.9, 0.95, 1e-8, 0.1, t, m_rule, 0, u=u)
+            items.append((b, o_ker.state[b], 0))
+            us.append(u)
+        o_ker._step_quantized_triton(items, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, m_rule, u=us)
+    for a, b in zip(ref, ker):
+        if o_ref.is_quantized(a):
+            assert torch.equal(a, b)
+            for k in o_ref.state[a]:
+                assert torch.equal(o_ref.state[a][k], o_ker.state[b][k]), k
+
+
+def test_kernel_philox_sr_is_unbiased():
+    # With b1 = b2 = 0 the working moments are m = g and v = g² (bias correction 1 at t = 1), so
+    # one step stores Q(g) and Q(g²). Each 128-element pattern is repeated R times; per element,
+    # the mean over the R independent Philox draws of phi(Q(x)) lies within 5 standard errors
+    # of phi(x) (std of phi(Q(x)) <= half the level gap): m SR in state space (NF4), v Update-SR.
+    R, eps = 512, 1e-3
+    gen = torch.Generator().manual_seed(14)
+    pattern = torch.randn(128, generator=gen) * 1e-2
+    pattern[0] = 0.05                                   # fixes each block's absmax
+    p = torch.nn.Parameter(torch.zeros(R * 128))
+    opt = A.AdamW4bit([p], lr=0.0, betas=(0.0, 0.0), eps=eps, preset="zipsr", m_rounding="sr",
+                      impl="triton", seed=3)
+    p.grad = pattern.repeat(R)
+    opt.step()
+    st = opt.state[p]
+    for key, cb, x, phi in (("exp_avg", "nf4", pattern, lambda z: z),
+                            ("exp_avg_sq", "dyn4", pattern ** 2, lambda z: A.preconditioner(z, 1.0, eps))):
+        q = A.dequantize_blockwise(st[key], st[key + "_scale"], cb).view(R, 128)
+        s = x.abs().max()
+        assert torch.equal(st[key + "_scale"], s.repeat(R))
+        levels = s * CODEBOOKS[cb]
+        lo = (torch.searchsorted(levels, x, right=True) - 1).clamp(0, levels.numel() - 2)
+        gap = (phi(levels[lo + 1].double()) - phi(levels[lo].double())).abs()
+        mean = phi(q.double()).mean(0)
+        assert ((mean - phi(x.double())).abs() <= 5 * gap / 2 / math.sqrt(R) + 1e-12).all(), key
+        assert not (q == q[0]).all()                    # the draws really differ across blocks
+
+
+def test_kernel_lm_head_sr_launch_and_resume():
+    # The LM-head tensor goes through its own SR launch after 90 %; a triton run resumes exactly.
+    def make():
+        m = _mlp()
+        o = A.AdamW4bit(m.parameters(), lr=1e-2, preset="zipsr", impl="triton", seed=5)
+        o.mark_lm_head(m[2].weight)
+        o.set_progress(0.95)
+        return m, o
+    m_ref, o_ref = make()
+    _train(m_ref, o_ref, 4)
+    m1, o1 = make()
+    _train(m1, o1, 2)
+    sd = o1.state_dict()
+    m2, o2 = make()
+    m2.load_state_dict(m1.state_dict())
+    o2.load_state_dict(sd)
+    g = torch.Generator().manual_seed(0)       # _train(seed=0) draws the teacher first: replay
+    teacher = torch.randn(64, 64, generator=g) / 8
+    for _ in range(2):
+        torch.randn(256, 64, generator=g)
+    for _ in range(2):
+        X = torch.randn(256, 64, generator=g)
+        o2.zero_grad()
+        ((m2(X) - torch.tanh(X @ teacher)) ** 2).mean().backward()
+        o2.step()
+    for a, b in zip(m_ref.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_impl_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="impl='triton' needs CUDA"):
+        A.AdamW4bit([p], impl="triton").step()
