@@ -168,6 +168,7 @@ PRESETS = {
 V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
 IMPLS = ("auto", "torch", "triton")
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
+KERNEL_ELEMS, KERNEL_WARPS = 1024, 4   # elements per Triton program and its warps (bench.py tunes)
 
 
 def radial_bias(m, m_q):
@@ -451,7 +452,7 @@ class AdamW4bit(torch.optim.Optimizer):
         if cbs is None:
             cbs = self._codebooks[dev] = tuple(get_codebook(c[k]).to(dev) for k in ("m_codebook", "v_codebook"))
         numels = tuple(p.numel() for p, _, _ in items)
-        nb = 8 if B <= 128 else 1                      # scale blocks per program
+        nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per program
         progs = self._prog_tables.get((dev, B, numels))
         if progs is None:
             counts = torch.tensor([triton.cdiv(n // B, nb) for n in numels])
@@ -475,7 +476,7 @@ class AdamW4bit(torch.optim.Optimizer):
             M_K=cbs[0].numel(), V_K=cbs[1].numel(), M_SR=m_rule == "sr", V_SR=v_rule == "sr",
             V_UPDATE=v_coord == "update", EDEN=bool(c["eden"]),
             GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16, HAS_U=u is not None,
-            BS=B, NB=nb, num_warps=4, **extra)
+            BS=B, NB=nb, num_warps=KERNEL_WARPS, **extra)
 
 
 def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
