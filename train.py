@@ -1,0 +1,684 @@
+"""
+Train a GPT with optional pseudo-quantization training (GaussWS / DiffQ, paper A) and optional
+4-bit AdamW states (ZIP-SR / ZE-EDEN / TorchAO-style, paper B).
+
+    python train.py                                     # CPU-sized defaults on CPU, GPT-2 124M on CUDA
+    python train.py --method gaussws --optim zipsr      # the papers' combination
+    torchrun --standalone --nproc_per_node 2 train.py --preset gpt2-124m   # several GPUs (DDP)
+
+Defaults marked 'auto' depend on the device: on CPU a tiny byte-level model for a few hundred
+steps (minutes on 2 cores), on CUDA GPT-2 124M with the GPT-2 tokenizer, BF16 autocast and
+torch.compile. Everything is written to --out_dir: ckpt.pt (atomic), log.jsonl (one JSON object
+per step and per eval, plus a summary), loss.png (when matplotlib is installed).
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import data as datamod
+from model import GPT, PRESETS, describe, preset_config
+
+METHODS = ("bf16", "gaussws", "diffq")
+OPTIMS = ("adamw", "fp32", "torchao", "zipsr", "zeeden", "adam-mini")
+FOURBIT = ("fp32", "torchao", "zipsr", "zeeden")          # adam4bit.AdamW4bit presets
+SCHEDULES = ("wsd", "cosine", "constant")
+CKPT_FORMAT = "gaussws-adam4bit-train-v1"
+# Peak learning rates: paper B Table 7 where it has the size, nanoGPT's 6e-4 for GPT-2 124M,
+# and a larger rate for the CPU-sized models (few hundred steps).
+DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "tiny-llama": 2e-3, "gpt2-124m": 6e-4, "gpt-162m": 1e-3,
+              "gpt-405m": 6e-4, "gpt-834m": 6e-4, "llama-130m": 2e-3, "llama-134m": 2e-3,
+              "llama-1b": 3e-4, "llama-3b": 1.5e-4, "llama-70b-4l": 1e-4}
+# Run settings that may differ between a checkpoint and the run resuming it (they do not change
+# what is trained); every other setting must match.
+RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "eval_interval", "eval_windows", "device",
+               "data_dir", "plot", "max_tokens"}
+
+
+class RunError(Exception):
+    """A run that cannot go on: diverged loss, unreadable or mismatched checkpoint."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage dump) and exits with status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser():
+    p = OneLineParser(prog="train.py", description=__doc__.split("\n\n")[0].strip(),
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--preset", default="auto", choices=("auto",) + tuple(PRESETS),
+                   help="model shape; auto: tiny on CPU, gpt2-124m on CUDA")
+    g.add_argument("--dataset", default="stdlib",
+                   help="stdlib | shakespeare | openwebtext | fineweb-edu | c4 | a local text file or folder")
+    g.add_argument("--tokenizer", default="auto", choices=("auto", "gpt2", "byte"),
+                   help="auto: gpt2 on CUDA, byte on CPU (a 50k-vocab LM head and softmax dominate a CPU step)")
+    g.add_argument("--data_dir", default=datamod.DATA_DIR, help="where prepared datasets live")
+    g.add_argument("--max_tokens", type=int, default=None, help="cap on tokens when preparing a dataset")
+    g.add_argument("--block_size", type=int, default=None, help="context length; default: the preset's")
+    g = p.add_argument_group("pseudo-quantization training (paper A)")
+    g.add_argument("--method", default="bf16", choices=METHODS, help="bf16 = no PQT")
+    g.add_argument("--parts", default="all",
+                   help="all | od | comma list of qkv,out,up,down (GPT) or q,k,v,out,gate,up,down (Llama)")
+    g.add_argument("--b_init", type=float, default=6.0, help="initial bitwidth (eq. 12)")
+    g.add_argument("--b_target", type=float, default=4.0, help="target bitwidth (eq. 12)")
+    g.add_argument("--bits_wd", type=float, default=0.1, help="weight decay on b_i (pulls b_t to b_target)")
+    g.add_argument("--bits_lambda", type=float, default=0.0, help="lambda of the bitwidth penalty in the loss")
+    g.add_argument("--pqt_memory", default="save", choices=("save", "recompute"),
+                   help="save w_hat for backward (+2 B/param) or recompute it")
+    g = p.add_argument_group("optimizer and schedule")
+    g.add_argument("--optim", default="adamw", choices=OPTIMS,
+                   help="adamw = torch AdamW (fused on CUDA); fp32/torchao/zipsr/zeeden = adam4bit presets")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate; default per preset (paper B Table 7)")
+    g.add_argument("--schedule", default="wsd", choices=SCHEDULES, help="WSD: warmup, constant, 1-sqrt(u) cooldown")
+    g.add_argument("--warmup_frac", type=float, default=0.1, help="share of steps in linear warmup")
+    g.add_argument("--cooldown_frac", type=float, default=0.1, help="WSD: share of steps in the cooldown")
+    g.add_argument("--min_lr_frac", type=float, default=0.1, help="cosine: final lr as a share of the peak")
+    g.add_argument("--weight_decay", type=float, default=0.1)
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.95)
+    g.add_argument("--eps", type=float, default=1e-8)
+    g.add_argument("--grad_clip", type=float, default=1.0, help="global grad-norm clip; 0 = off")
+    g = p.add_argument_group("batch and length")
+    g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch per GPU")
+    g.add_argument("--grad_accum", type=int, default=1,
+                   help="micro-batches per step summed over all GPUs (must divide by the GPU count)")
+    g.add_argument("--max_iters", type=int, default=None, help="optimizer steps; auto: 300 on CPU, 5000 on CUDA")
+    g.add_argument("--tokens_per_param", type=float, default=None,
+                   help="set max_iters so that tokens = this x parameters (papers: 20)")
+    g.add_argument("--stop_after", type=int, default=None,
+                   help="stop (with a checkpoint) after this many steps, keeping the --max_iters schedule; "
+                        "continue later with --resume")
+    g = p.add_argument_group("evaluation, logging, system")
+    g.add_argument("--eval_interval", type=int, default=None, help="steps between evals; auto: 50 CPU, 250 CUDA")
+    g.add_argument("--eval_windows", "--eval_iters", type=int, default=None, dest="eval_windows",
+                   help="fixed validation windows of block_size tokens; 0 = no eval; auto: 64 CPU, 256 CUDA")
+    g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
+                   help="torch.compile the model; default: on for CUDA, off on CPU")
+    g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="autocast dtype; auto: bfloat16 on CUDA (FP32 master weights), float32 on CPU")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out_dir", default="out", help="checkpoint, log.jsonl and loss.png go here")
+    g.add_argument("--resume", nargs="?", const="auto", default=None,
+                   help="continue from OUT_DIR/ckpt.pt, or from the given checkpoint file")
+    g.add_argument("--plot", default=True, action=argparse.BooleanOptionalAction,
+                   help="write loss.png at the end (needs matplotlib)")
+    return p
+
+
+def resolve_args(args, parser, cuda):
+    """Fill 'auto' defaults for the device and check flag combinations (parser.error on a bad one)."""
+    if args.preset == "auto":
+        args.preset = "gpt2-124m" if cuda else "tiny"
+    if args.tokenizer == "auto":
+        args.tokenizer = "gpt2" if cuda else "byte"
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda else "float32"
+    if args.compile is None:
+        args.compile = cuda
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.preset]
+    if args.eval_interval is None:
+        args.eval_interval = 250 if cuda else 50
+    if args.eval_windows is None:
+        args.eval_windows = 256 if cuda else 64
+    if args.block_size is None:
+        args.block_size = PRESETS[args.preset]["block_size"]
+    for name in ("batch_size", "grad_accum", "block_size", "eval_interval"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: must be a positive integer")
+    for name in ("max_iters", "stop_after"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)}: must be a positive integer")
+    if args.eval_windows < 0:
+        parser.error(f"--eval_windows {args.eval_windows}: must be >= 0")
+    if args.b_target > args.b_init:
+        parser.error(f"--b_target {args.b_target} > --b_init {args.b_init}: need b_target <= b_init (eq. 12)")
+    if not (0 <= args.warmup_frac < 1 and 0 <= args.cooldown_frac < 1 and args.warmup_frac + args.cooldown_frac <= 1):
+        parser.error(f"--warmup_frac {args.warmup_frac} / --cooldown_frac {args.cooldown_frac}: "
+                     f"need each in [0, 1) and their sum <= 1")
+    if args.lr <= 0:
+        parser.error(f"--lr {args.lr}: must be > 0")
+    allowed = preset_config(args.preset).parts
+    if args.parts not in ("all", "od"):
+        bad = [x for x in args.parts.split(",") if x not in allowed]
+        if bad or not args.parts:
+            parser.error(f"--parts {args.parts!r}: unknown part(s) {', '.join(bad) or '(empty)'} for preset "
+                         f"{args.preset}; allowed: all, od, or a comma list of {','.join(allowed)}")
+    try:
+        datamod.check_dataset_arg(args.dataset)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+# ----------------------------------------------------------------------------- schedule
+
+def get_lr(it, max_iters, lr, schedule="wsd", warmup_frac=0.1, cooldown_frac=0.1, min_lr_frac=0.1):
+    """Learning rate for update `it` (0-based) of `max_iters`.
+
+    All schedules warm up linearly over the first round(warmup_frac * max_iters) updates
+    (lr * (it + 1) / W). Then
+      wsd:      constant lr, and over the last D = round(cooldown_frac * max_iters) updates the
+                multiplier 1 - sqrt(u), u = (it - (max_iters - D)) / D in [0, 1): the first cooldown
+                update uses the peak, the value reaches 0 at it = max_iters (SPEC, paper B App. B)
+      cosine:   half-cosine from lr down to min_lr_frac * lr at it = max_iters
+      constant: lr
+    """
+    W = max(1, round(warmup_frac * max_iters)) if warmup_frac > 0 else 0
+    if it < W:
+        return lr * (it + 1) / W
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine":
+        ratio = min(1.0, (it - W) / max(1, max_iters - W))
+        return lr * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * ratio)))
+    if schedule == "wsd":
+        D = round(cooldown_frac * max_iters)
+        start = max_iters - D
+        if it < start:
+            return lr
+        if it >= max_iters:
+            return 0.0
+        return lr * (1 - math.sqrt((it - start) / D))
+    raise ValueError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+def param_groups(model, weight_decay, bits_wd):
+    """AdamW groups: matrices/embeddings with weight decay, vectors (norms, biases) without, and the
+    PQT bitwidth parameters b_i in their own group with weight decay bits_wd (paper A eq. 12:
+    decay on b_i pulls b_t toward b_target)."""
+    decay, no_decay, bits = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name.endswith("b_i"):
+            bits.append(p)
+        elif p.dim() >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+              {"params": bits, "weight_decay": bits_wd, "name": "b_i"}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(args, model, device_type):
+    """The optimizer named by --optim. 4-bit presets are told which parameter is the LM head (its
+    first moment switches RTN -> SR for the last 10 % of training, paper B section 4); with tied
+    embeddings that parameter is the token embedding."""
+    betas = (args.beta1, args.beta2)
+    groups = param_groups(model, args.weight_decay, args.bits_wd)
+    if args.optim == "adamw":
+        return torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=args.eps, fused=device_type == "cuda")
+    if args.optim in FOURBIT:
+        from adam4bit import AdamW4bit
+        opt = AdamW4bit(groups, lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay,
+                        preset=args.optim, seed=args.seed)
+        opt.mark_lm_head(model.lm_head.weight)
+        return opt
+    if args.optim == "adam-mini":
+        try:
+            from adam_mini import Adam_mini
+        except ImportError:
+            raise RunError("--optim adam-mini needs the adam-mini package (pip install adam-mini)") from None
+        c = model.config
+        opt = Adam_mini(named_parameters=model.named_parameters(), lr=args.lr, betas=betas, eps=args.eps,
+                        weight_decay=args.weight_decay, dim=c.n_embd, n_heads=c.n_head, n_kv_heads=c.n_kv_head)
+        # tell Adam-mini our layer names (its defaults follow HF/Llama naming)
+        for attr, names in (("wqk_names", {"attn.q.weight", "attn.k.weight"}), ("wv_names", {"attn.v.weight"}),
+                            ("embd_names", {"wte"}), ("output_names", {"lm_head"})):
+            if isinstance(getattr(opt, attr, None), set):
+                getattr(opt, attr).update(names)
+        return opt
+    raise ValueError(f"optim={args.optim!r}; allowed: {', '.join(OPTIMS)}")
+
+
+def optimizer_state_bytes(opt):
+    """Bytes held in optimizer state tensors (opt.state_nbytes() when the optimizer has it)."""
+    if hasattr(opt, "state_nbytes"):
+        return int(opt.state_nbytes())
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(path, obj):
+    """torch.save to path + '.tmp', fsync, then os.replace: a crash mid-write leaves the previous
+    checkpoint intact."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    """Read a checkpoint written by save_checkpoint; RunError with the reason when it is missing,
+    unreadable (corrupt/truncated) or not one of ours."""
+    if not os.path.exists(path):
+        raise RunError(f"--resume: no checkpoint at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RunError(f"--resume: checkpoint {path} cannot be read (corrupt or truncated?): "
+                       f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        raise RunError(f"--resume: {path} is not a train.py checkpoint (format {CKPT_FORMAT})")
+    return ckpt
+
+
+def run_config(args):
+    return {k: v for k, v in sorted(vars(args).items())}
+
+
+def check_resume_config(saved, current, path):
+    """RunError listing the flags whose values differ between the checkpoint and this run."""
+    keys = sorted((set(saved) | set(current)) - RESUME_FREE)
+    diff = [f"--{k} {saved.get(k)!r} (checkpoint) vs {current.get(k)!r} (now)"
+            for k in keys if saved.get(k) != current.get(k)]
+    if diff:
+        raise RunError(f"--resume: {path} was written by a different configuration: {'; '.join(diff)}. "
+                       f"Use the same flags, or a new --out_dir to start over.")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def setup_distributed(args):
+    """(ddp, rank, local_rank, world, device). Under torchrun (RANK set) joins the process group:
+    NCCL on CUDA, gloo on CPU."""
+    if int(os.environ.get("RANK", -1)) == -1:
+        dev = args.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return False, 0, 0, 1, dev
+    import torch.distributed as dist
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    use_cuda = args.device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        dev = f"cuda:{local_rank}"
+        torch.cuda.set_device(dev)
+    else:
+        dev = "cpu"
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return True, rank, local_rank, world, dev
+
+
+def mean_bt(bits_params, b_init, b_target):
+    """Mean tile bitwidth b_t over all PQT tiles (eq. 12: b_t = b_target + b_i (b_init - b_target)),
+    as a 0-dim tensor (no device sync)."""
+    if not bits_params:
+        return None
+    b_i = torch.cat([p.detach().flatten() for p in bits_params]).float().mean()
+    return b_target + b_i * (b_init - b_target)
+
+
+def peak_memory_mb(device_type):
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    except Exception:
+        return float("nan")
+
+
+@torch.no_grad()
+def evaluate(model, batches, n_windows, batch_size, ctx, device, rank=0, world=1, ddp=False):
+    """Mean cross-entropy (nats/token) over the fixed validation windows, split across ranks.
+    Uses the plain (uncompiled, unwrapped) model in eval mode."""
+    was_training = model.training
+    model.eval()
+    tot = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in batches.val_batches(n_windows, batch_size, rank, world):
+        x, y = x.to(device), y.to(device)
+        with ctx:
+            _, loss = model(x, y)
+        tot[0] += loss.double() * y.numel()
+        tot[1] += y.numel()
+    if ddp:
+        import torch.distributed as dist
+        dist.all_reduce(tot)
+    model.train(was_training)
+    return (tot[0] / tot[1]).item()
+
+
+def plot_losses(log_path, png_path):
+    """loss.png from log.jsonl (train loss per step, val loss per eval); returns a note string."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no loss.png (pip install matplotlib)"
+    steps, evals = [], []
+    with open(log_path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("type") == "step":
+                steps.append((r["iter"], r["loss"]))
+            elif r.get("type") == "eval":
+                evals.append((r["iter"], r["val_loss"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if steps:
+        ax.plot(*zip(*steps), lw=0.6, alpha=0.6, label="train (per step)")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return f"wrote {png_path}"
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None):
+    """Parse argv (list of str; None = sys.argv[1:]) and train. Returns the summary dict.
+    Bad flags raise SystemExit(2) with a one-line message; RunError for a diverged run or a bad
+    checkpoint."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (args.device in ("auto", "cpu") or args.device.startswith("cuda")):
+        parser.error(f"--device {args.device!r}: allowed: auto, cpu, cuda, cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here; allowed: auto, cpu")
+    ddp, rank, local_rank, world, device = setup_distributed(args)
+    device_type = "cuda" if str(device).startswith("cuda") else "cpu"
+    resolve_args(args, parser, device_type == "cuda")
+    try:
+        return train(args, ddp, rank, world, device, device_type)
+    finally:
+        if ddp:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def train(args, ddp, rank, world, device, device_type):
+    master = rank == 0
+    say = print if master else (lambda *a, **k: None)
+    if args.grad_accum % world:
+        raise RunError(f"--grad_accum {args.grad_accum} must be divisible by the number of GPUs ({world})")
+    accum = args.grad_accum // world
+    torch.manual_seed(args.seed)
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    # ---- checkpoint to resume (read first: its config must match this run)
+    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+    ckpt = resume_path = None
+    if args.resume:
+        resume_path = ckpt_path if args.resume == "auto" else args.resume
+        ckpt = load_checkpoint(resume_path)
+
+    # ---- data (rank 0 prepares, the others wait)
+    folder = None
+    if master:
+        folder = datamod.prepare(args.dataset, args.tokenizer, data_dir=args.data_dir, max_tokens=args.max_tokens)
+    if ddp:
+        import torch.distributed as dist
+        obj = [folder if master else None]
+        dist.broadcast_object_list(obj, src=0)
+        folder = obj[0]
+    batches = datamod.Batches(folder, args.block_size, seed=args.seed)
+    meta = batches.meta
+    if batches.n["train"] < args.block_size + 1 or batches.n["val"] < args.block_size + 1:
+        raise RunError(f"--block_size {args.block_size}: {folder} has only {batches.n['train']} train / "
+                       f"{batches.n['val']} val tokens; use a shorter --block_size or more data")
+    if args.batch_size * args.block_size > batches.n["train"]:
+        raise RunError(f"--batch_size {args.batch_size} x --block_size {args.block_size} = "
+                       f"{args.batch_size * args.block_size} tokens per micro-batch is more than the "
+                       f"{batches.n['train']} training tokens in {folder}; use a smaller --batch_size")
+
+    # ---- model
+    vocab = meta["vocab_size"] if meta["vocab_size"] <= 256 else -(-meta["vocab_size"] // 64) * 64
+    cfg = preset_config(args.preset, vocab_size=vocab, block_size=args.block_size)
+    model = GPT(cfg).to(device)
+    n_params = model.num_params()
+    replaced = []
+    if args.method != "bf16":
+        from gaussws import apply_pqt
+        replaced = apply_pqt(model, method=args.method, parts=args.parts, b_init=args.b_init,
+                             b_target=args.b_target, seed=args.seed, memory=args.pqt_memory)
+    bits_params = [p for n, p in model.named_parameters() if n.endswith("b_i")]
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum
+    if args.tokens_per_param is not None:
+        args.max_iters = max(1, math.ceil(args.tokens_per_param * n_params / tokens_per_step))
+    elif args.max_iters is None:
+        args.max_iters = 5000 if device_type == "cuda" else 300
+    if ckpt is not None:  # after max_iters is known: it is part of the configuration
+        check_resume_config(ckpt["config"], run_config(args), resume_path)
+
+    say(f"device {device} x{world}, dtype {args.dtype}, compile {args.compile}")
+    say(f"data {folder}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens, "
+        f"tokenizer {meta['tokenizer']} ({meta['source']})")
+    note = ""
+    if args.preset.startswith("llama"):
+        note = " (the papers count Llama sizes with a 32000-token vocabulary; this vocabulary changes the count)"
+    say(f"model {args.preset}: {describe(cfg)}; {n_params:,} parameters = {n_params / 1e6:.2f}M{note}")
+    if replaced:
+        say(f"PQT {args.method}[{args.parts}] on {len(replaced)} linear layers, "
+            f"{sum(p.numel() for p in bits_params):,} tiles (b_i), b_init {args.b_init}, b_target {args.b_target}")
+
+    optimizer = build_optimizer(args, model, device_type)
+    start_iter, best_val = 0, float("inf")
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        start_iter, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device_type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+        say(f"resumed from {resume_path} at step {start_iter}")
+        del ckpt
+    say(f"optimizer {args.optim}, lr {args.lr:g} ({args.schedule}), {args.max_iters} steps of "
+        f"{tokens_per_step:,} tokens ({args.batch_size} x {args.block_size} x {args.grad_accum}), "
+        f"{args.max_iters * tokens_per_step / max(n_params, 1):.2f} tokens/param")
+
+    raw_model = model
+    if args.compile:
+        model = torch.compile(model)
+    if ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        # buffers (GaussWS seed state) advance identically on every rank: no broadcast needed
+        model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None,
+                    broadcast_buffers=False)
+    pt_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    ctx = (torch.autocast(device_type=device_type, dtype=pt_dtype) if pt_dtype != torch.float32
+           else contextlib.nullcontext())
+    penalty_fn = None
+    if args.bits_lambda and replaced:
+        from gaussws import bitwidth_penalty
+        penalty_fn = bitwidth_penalty
+
+    log_path = os.path.join(args.out_dir, "log.jsonl")
+    logf = None
+    if master:
+        os.makedirs(args.out_dir, exist_ok=True)
+        kept = []
+        if args.resume and os.path.exists(log_path):  # drop records past the checkpoint (a crashed tail)
+            with open(log_path) as f:
+                recs = [json.loads(line) for line in f if line.strip()]
+            kept = [r for r in recs if (r.get("type") == "step" and r["iter"] < start_iter)
+                    or (r.get("type") == "eval" and r["iter"] <= start_iter)]
+        logf = open(log_path, "w")
+        for r in kept:
+            logf.write(json.dumps(r) + "\n")
+
+    def log(rec):
+        if logf:
+            logf.write(json.dumps(rec) + "\n")
+            logf.flush()
+
+    def checkpoint(it):
+        if not master:
+            return
+        save_checkpoint(ckpt_path, {
+            "format": CKPT_FORMAT, "iter_num": it, "best_val_loss": best_val,
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+            "config": run_config(args), "model_config": asdict(cfg),
+            # the training data order is a pure function of (seed, rank, step, micro-step)
+            "data_rng": {"scheme": "numpy default_rng([seed, step, global micro-batch])",
+                         "seed": args.seed, "next_step": it},
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}})
+
+    from tqdm import tqdm
+    bar = tqdm(total=args.max_iters, initial=start_iter, disable=not master, dynamic_ncols=True,
+               mininterval=0.5, desc="train")
+    end_iter = min(args.max_iters, args.stop_after) if args.stop_after else args.max_iters
+    pending, step_times, recent_losses = None, [], []
+    first_val = last_val = None
+    state = {"t_ref": time.time(), "last_ckpt": start_iter if args.resume else None}
+    t_start = time.time()
+
+    def flush():
+        """Read back the previous step's numbers (waits for the device) and log them. On CUDA this
+        runs one step late, so the CPU queues step k+1 before waiting for step k."""
+        nonlocal pending
+        if pending is None:
+            return
+        it, loss_t, norm_t, bt_t, lr = pending
+        pending = None
+        loss, gnorm = loss_t.item(), norm_t.item()
+        now = time.time()
+        dt, state["t_ref"] = now - state["t_ref"], now
+        if not (math.isfinite(loss) and math.isfinite(gnorm)):
+            last = state["last_ckpt"]
+            msg = (f"loss {loss} / grad norm {gnorm} at step {it}: training diverged, stopping. "
+                   + (f"The last good checkpoint {ckpt_path} (step {last}) is left intact."
+                      if last is not None else "No checkpoint was written yet."))
+            log({"type": "error", "iter": it, "message": msg})
+            raise RunError(msg)
+        step_times.append(dt)
+        recent_losses.append(loss)
+        rec = {"type": "step", "iter": it, "loss": loss, "lr": lr, "grad_norm": gnorm,
+               "tokens_per_s": tokens_per_step / dt, "dt_ms": dt * 1000,
+               "peak_mem_mb": peak_memory_mb(device_type)}
+        if bt_t is not None:
+            rec["b_t_mean"] = bt_t.item()
+        log(rec)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", lr=f"{lr:.2e}", refresh=False)
+
+    it = start_iter
+    try:
+        while True:
+            # ---- eval and checkpoint (not again at the step we resumed at: done before saving)
+            at_end = it >= end_iter
+            if (it % args.eval_interval == 0 or at_end) and not (args.resume and it == start_iter):
+                flush()
+                if args.eval_windows > 0:
+                    val = evaluate(raw_model, batches, args.eval_windows, args.batch_size, ctx, device,
+                                   rank, world, ddp)
+                    first_val = val if first_val is None else first_val
+                    last_val, best_val = val, min(best_val, val)
+                    train_loss = float(np.mean(recent_losses)) if recent_losses else None
+                    recent_losses.clear()
+                    rec = {"type": "eval", "iter": it, "val_loss": val, "train_loss": train_loss,
+                           "time_s": time.time() - t_start}
+                    if replaced:
+                        from gaussws import bitwidth_stats
+                        rec["bits"] = bitwidth_stats(raw_model)
+                    log(rec)
+                    tl = f"{train_loss:.4f}" if train_loss is not None else "-"
+                    if master:
+                        bar.write(f"step {it}: val loss {val:.4f}, train loss {tl}")
+                if it > start_iter or at_end:
+                    checkpoint(it)
+                    state["last_ckpt"] = it
+                state["t_ref"] = time.time()
+            if at_end:
+                break
+            # ---- one optimizer step
+            lr = get_lr(it, args.max_iters, args.lr, args.schedule, args.warmup_frac,
+                        args.cooldown_frac, args.min_lr_frac)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            if hasattr(optimizer, "set_progress"):
+                optimizer.set_progress(it / args.max_iters)
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(accum):
+                x, y = batches.train_batch(args.batch_size, it, rank * accum + micro)
+                if device_type == "cuda":
+                    x = x.pin_memory().to(device, non_blocking=True)
+                    y = y.pin_memory().to(device, non_blocking=True)
+                if ddp:  # all-reduce gradients only on the last micro-step (set before forward)
+                    model.require_backward_grad_sync = micro == accum - 1
+                with ctx:
+                    _, loss = model(x, y)
+                    total = loss if penalty_fn is None else loss + args.bits_lambda * penalty_fn(raw_model)
+                (total / accum).backward()
+                loss_sum += loss.detach()
+            if ddp:
+                import torch.distributed as dist
+                dist.all_reduce(loss_sum)  # SUM (gloo has no AVG); divided by world below
+            gnorm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
+                                                   args.grad_clip if args.grad_clip > 0 else float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            bt = mean_bt(bits_params, args.b_init, args.b_target)
+            if device_type != "cuda":
+                pending = (it, loss_sum / (accum * world), gnorm, bt, lr)
+                flush()
+            else:
+                flush()  # previous step; this step's numbers are read after the next step is queued
+                pending = (it, loss_sum / (accum * world), gnorm, bt, lr)
+            it += 1
+            bar.update(1)
+    finally:
+        bar.close()
+
+    # ---- summary
+    elapsed = time.time() - t_start
+    warm = step_times[min(len(step_times) - 1, 5):] if step_times else []  # skip compile/warmup steps
+    summary = {"type": "summary", "iters": it, "max_iters": args.max_iters, "start_iter": start_iter,
+               "tokens": (it - start_iter) * tokens_per_step, "time_s": elapsed,
+               "tokens_per_s": tokens_per_step / float(np.median(warm)) if warm else None,
+               "first_val_loss": first_val, "final_val_loss": last_val,
+               "best_val_loss": best_val if math.isfinite(best_val) else None,
+               "peak_mem_mb": peak_memory_mb(device_type), "optimizer_state_mb": optimizer_state_bytes(optimizer) / 2**20,
+               "params": n_params, "preset": args.preset, "method": args.method, "optim": args.optim,
+               "world": world, "checkpoint": ckpt_path if state["last_ckpt"] is not None else None}
+    if bits_params:
+        summary["b_t_mean"] = mean_bt(bits_params, args.b_init, args.b_target).item()
+    log(summary)
+    if master:
+        say(f"done: {it - start_iter} steps in {elapsed:.1f}s, "
+            + (f"{summary['tokens_per_s']:,.0f} tokens/s (median), " if summary["tokens_per_s"] else "")
+            + (f"val loss {first_val:.4f} -> {last_val:.4f}, " if first_val is not None and last_val is not None else "")
+            + f"peak memory {summary['peak_mem_mb']:,.0f} MB, optimizer state {summary['optimizer_state_mb']:.2f} MB"
+            + (f", mean b_t {summary['b_t_mean']:.3f}" if bits_params else ""))
+        say(f"checkpoint {ckpt_path}, log {log_path}")
+        if args.plot:
+            say(plot_losses(log_path, os.path.join(args.out_dir, "loss.png")))
+        logf.close()
+    return summary
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except RunError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(1)
