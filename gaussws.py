@@ -13,10 +13,12 @@ AND/OR only (eq. 10). Gradients follow eq. 4 (∂max/∂w ≈ 0):
 
 Implementation, as in §3.5: three steps, not fused.
   (1) `generate_noise`: Philox4x32-10 (key = layer key, counter = (word index, call counter))
-      gives 4×32 random bits per packed word; each 16-bit half feeds one element through the recipe
-      of SPEC (sign = b0; |R|=2 iff (b1|b2)&b3&..&b10; else |R|=1 iff (b11|b12)&(b13|b14)&b15).
-      R is stored sign-magnitude, 4 bits per element, 8 per int32 (element j of a group in bits
-      [4j, 4j+4)); tensor shape (m, ceil(n/8)).
+      gives 4×32 random bits per packed word, 16 per element, through the recipe of SPEC
+      (sign = b0; |R|=2 iff (b1|b2)&b3&..&b10; else |R|=1 iff (b11|b12)&(b13|b14)&b15). Element j
+      takes its 16 bits from nibble j of the 4 words, so whole-word AND/OR/shift ops evaluate the
+      recipe for all 8 elements at once and leave the result in the packed layout: sign-magnitude,
+      4 bits per element, 8 per int32 (element j of a group in bits [4j, 4j+4)), shape
+      (m, ceil(n/8)).
   (2) `apply_noise`: one Triton kernel per 32-row × (BT·32)-column block reads w (any float dtype),
       computes the tile maxima in registers (partial edge tiles are masked), unpacks R, adds
       R·tilemax·2^(1−b_t) and writes w_hat (BF16 by default) plus the tile maxima (for backward).
@@ -172,26 +174,35 @@ def _philox_words_torch(seed, idx):
                          key & _M32, (key >> 32) & _M32)
 
 
-def _nib2_torch(x):
-    """SPEC recipe on both 16-bit halves of uint32 words x at once (SWAR). Returns 8 bits per
-    word: low nibble = element from bits 0..15, high nibble = element from bits 16..31.
-    Nibble = sign<<3 | |R| (sign-magnitude; zero is always stored as +0)."""
-    lane = 0x00010001
-    o12 = (x >> 1) | (x >> 2)                       # bit 0: b1|b2
-    y = x & (x >> 1)
-    z = y & (y >> 2)
-    u = z & (z >> 4)                                # bit k: b_k & ... & b_{k+7}
-    is2 = o12 & (u >> 3) & lane                     # (b1|b2) & b3 & ... & b10   P = 3/4·2^-8
-    v = x | (x >> 1)
-    is1 = (v >> 11) & (v >> 13) & (x >> 15) & lane  # (b11|b12)&(b13|b14)&b15    P = 9/32
-    sign = x & (is1 | is2)                          # b0, only where R != 0
-    nib = (sign << 3) | (is2 << 1) | (is1 & (is2 ^ lane))
-    return (nib & 0xF) | ((nib >> 12) & 0xF0)
+def _recipe_torch(r0, r1, r2, r3):
+    """SPEC recipe for 8 elements at once (SWAR over nibble lanes). Element j of a packed word
+    takes its 16 random bits from nibble j (bits 4j..4j+3) of the 4 Philox words:
+        sign = r0[4j]; is2 = (r0[4j+1] | r0[4j+2]) & AND(r1[4j..4j+3], r2[4j..4j+3]);
+        is1 = (r3[4j] | r3[4j+1]) & (r3[4j+2] | r3[4j+3]) & r0[4j+3].
+    The result is already the packed word: nibble j = sign<<3 | |R| (zero stored as +0)."""
+    lane = 0x11111111
+    o12 = (r0 >> 1) | (r0 >> 2)                     # bit 4j: b1|b2            P = 3/4
+    t = r1 & r2
+    t = t & (t >> 2)
+    t = t & (t >> 1)                                # bit 4j: AND of 8 bits    P = 2^-8
+    is2 = o12 & t & lane
+    p = r3 | (r3 >> 1)
+    is1 = p & (p >> 2) & (r0 >> 3) & lane           # (b11|b12)&(b13|b14)&b15  P = 9/32
+    sign = r0 & (is1 | is2)
+    return (sign << 3) | (is2 << 1) | (is1 & (is2 ^ lane))
+
+
+def bits_of_element(r0, r1, r2, r3, j):
+    """The 16 bits b0..b15 (as one integer, b_i at bit i) that element j of a packed word uses,
+    gathered from the 4 Philox words as `_recipe_torch` reads them (for tests)."""
+    nib = lambda r: (r >> (4 * j)) & 0xF
+    a, b, c, d = nib(r0), nib(r1), nib(r2), nib(r3)
+    return (a & 7) | (b << 3) | (c << 7) | (d << 11) | (((a >> 3) & 1) << 15)
 
 
 def noise_from_bits_reference(bits16):
     """R of eq. 10 from one 16-bit integer per element, literally as written in SPEC (readable
-    per-bit version of `_nib2_torch`, used by tests). bits16: int tensor, values in [0, 2^16)."""
+    per-bit version of `_recipe_torch`, used by tests). bits16: int tensor, values in [0, 2^16)."""
     b = [(bits16 >> i) & 1 for i in range(16)]
     is2 = (b[1] | b[2]) & b[3] & b[4] & b[5] & b[6] & b[7] & b[8] & b[9] & b[10]
     is1 = (b[11] | b[12]) & (b[13] | b[14]) & b[15]
@@ -232,9 +243,7 @@ def _generate_torch(m, n, seed, method):
     n8 = -(-n // 8)
     if method == "gaussws":
         idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
-        r = _philox_words_torch(seed, idx)
-        packed = sum(_nib2_torch(r[i]) << (8 * i) for i in range(4))
-        return _to_int32(packed).view(m, n8)
+        return _to_int32(_recipe_torch(*_philox_words_torch(seed, idx))).view(m, n8)
     if method == "diffq":  # 16 random bits per element -> U(-0.5, 0.5), exact in fp32, then BF16
         idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
         r = _philox_words_torch(seed, idx)
@@ -337,25 +346,29 @@ def _cast(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _nib2(x):
-    """Triton twin of `_nib2_torch` (see there)."""
-    LANE: tl.constexpr = 0x00010001
-    o12 = (x >> 1) | (x >> 2)
-    y = x & (x >> 1)
-    z = y & (y >> 2)
-    u = z & (z >> 4)
-    is2 = o12 & (u >> 3) & LANE
-    v = x | (x >> 1)
-    is1 = (v >> 11) & (v >> 13) & (x >> 15) & LANE
-    sign = x & (is1 | is2)
-    nib = (sign << 3) | (is2 << 1) | (is1 & (is2 ^ LANE))
-    return (nib & 0xF) | ((nib >> 12) & 0xF0)
+def _packed_words(seed_ptr, p):
+    """Packed GaussWS R for word indices p: Philox + the recipe (Triton twin of `_recipe_torch`)."""
+    r0, r1, r2, r3 = _philox_words(seed_ptr, p)
+    LANE: tl.constexpr = 0x11111111
+    o12 = (r0 >> 1) | (r0 >> 2)
+    t = r1 & r2
+    t = t & (t >> 2)
+    t = t & (t >> 1)
+    is2 = o12 & t & LANE
+    q = r3 | (r3 >> 1)
+    is1 = q & (q >> 2) & (r0 >> 3) & LANE
+    sign = r0 & (is1 | is2)
+    return (sign << 3) | (is2 << 1) | (is1 & (is2 ^ LANE))
 
 
 @triton.jit
-def _packed_words(seed_ptr, p):
-    r0, r1, r2, r3 = _philox_words(seed_ptr, p)
-    return _nib2(r0) | (_nib2(r1) << 8) | (_nib2(r2) << 16) | (_nib2(r3) << 24)
+def _interleave8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """[..., k] x 8 -> [..., 8k + j] = v_j[..., k] (tl.interleave appends the lowest index bit)."""
+    x0 = tl.interleave(v0, v4)
+    x1 = tl.interleave(v2, v6)
+    x2 = tl.interleave(v1, v5)
+    x3 = tl.interleave(v3, v7)
+    return tl.interleave(tl.interleave(x0, x1), tl.interleave(x2, x3))
 
 
 @triton.jit
@@ -366,24 +379,22 @@ def _gen_gaussws_kernel(out_ptr, seed_ptr, n_words, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gen_diffq_kernel(out_ptr, seed_ptr, N, N8, n_words, BLOCK: tl.constexpr):
+def _u16(h):
+    """16 random bits -> U(-0.5, 0.5), exact in float32, then BF16 (DiffQ noise)."""
+    return _cast((h.to(tl.float32) + 0.5) * 0.0000152587890625 - 0.5, tl.bfloat16)   # 2^-16
+
+
+@triton.jit
+def _gen_diffq_kernel(out_ptr, seed_ptr, M, N, N8, BLOCK: tl.constexpr):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = p < n_words
-    row = p // N8
-    col0 = (p % N8) * 8
     r0, r1, r2, r3 = _philox_words(seed_ptr, p)
-    for i in tl.static_range(8):
-        if i // 2 == 0:
-            r = r0
-        elif i // 2 == 1:
-            r = r1
-        elif i // 2 == 2:
-            r = r2
-        else:
-            r = r3
-        h = (r >> (16 * (i % 2))) & 0xFFFF
-        u = (h.to(tl.float32) + 0.5) * 0.0000152587890625 - 0.5   # 2^-16
-        tl.store(out_ptr + row * N + col0 + i, _cast(u, tl.bfloat16), mask=mask & (col0 + i < N))
+    # element 8p + 2i + L takes the 16-bit half L of word r_i
+    u = _interleave8(_u16(r0 & 0xFFFF), _u16(r0 >> 16), _u16(r1 & 0xFFFF), _u16(r1 >> 16),
+                     _u16(r2 & 0xFFFF), _u16(r2 >> 16), _u16(r3 & 0xFFFF), _u16(r3 >> 16))
+    e = tl.program_id(0) * (8 * BLOCK) + tl.arange(0, 8 * BLOCK)
+    row = e // (8 * N8)
+    col = e % (8 * N8)
+    tl.store(out_ptr + row * N + col, u, mask=(row < M) & (col < N))
 
 
 @triton.jit
@@ -415,24 +426,19 @@ def _gen_bm_kernel(out_ptr, seed_ptr, n_words, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, N, N8, NOISE: tl.constexpr, BT: tl.constexpr):
-    """R as float32 for a (32, BT, 32) block. NOISE: 0 = packed GaussWS R from memory,
-    1 = dense BF16 DiffQ R from memory, 2 = GaussWS R generated here (fused variant)."""
+def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE: tl.constexpr):
+    """R as float32 for a (32, BT, 32) block. NOISE: 0 = packed GaussWS R read from memory,
+    1 = dense BF16 DiffQ R read from memory, 2 = packed GaussWS R generated here (fused)."""
     if NOISE == 1:
         r = tl.load(r_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     else:
+        q = ti[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]    # word column, (1, BT, 4)
         if NOISE == 0:
-            word = tl.load(r_ptr + row * N8 + col // 8, mask=mask, other=0)
-            nib = (word >> ((col % 8) * 4)) & 0xF
+            w = tl.load(r_ptr + row * N8 + q, mask=(row < M) & (q < N8), other=0)
         else:
-            q = ti[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]    # word column, (1, BT, 4)
-            w = _packed_words(seed_ptr, row * N8 + q)                      # (32, BT, 4) packed words
-            # element 8q + j <- nibble j; interleave appends the least significant index bit
-            x0 = tl.interleave(w & 0xF, (w >> 16) & 0xF)                   # nibbles 0, 4
-            x1 = tl.interleave((w >> 8) & 0xF, (w >> 24) & 0xF)            # nibbles 2, 6
-            x2 = tl.interleave((w >> 4) & 0xF, (w >> 20) & 0xF)            # nibbles 1, 5
-            x3 = tl.interleave((w >> 12) & 0xF, (w >> 28) & 0xF)           # nibbles 3, 7
-            nib = tl.interleave(tl.interleave(x0, x1), tl.interleave(x2, x3)).to(tl.int32)
+            w = _packed_words(seed_ptr, row * N8 + q)
+        nib = _interleave8(w & 0xF, (w >> 4) & 0xF, (w >> 8) & 0xF, (w >> 12) & 0xF,
+                           (w >> 16) & 0xF, (w >> 20) & 0xF, (w >> 24) & 0xF, (w >> 28) & 0xF)
         mag = (nib & 7).to(tl.float32)
         r = tl.where((nib & 8) != 0, -mag, mag)
     return r
@@ -450,7 +456,7 @@ def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, M, N, N8,
     tmax = tl.max(tl.max(tl.abs(w), axis=2), axis=0)                  # (BT,), edge tiles masked
     tmask = ti < TN
     pow2 = tl.load(pow2_ptr + tl.program_id(0) * TN + ti, mask=tmask, other=0.0)
-    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, N, N8, NOISE, BT)
+    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
     w_hat = w + r * (tmax * pow2)[None, :, None]
     tl.store(out_ptr + row * N + col, _cast(w_hat, out_ptr.dtype.element_ty), mask=mask)
     tl.store(tmax_ptr + tl.program_id(0) * TN + ti, tmax, mask=tmask)
@@ -466,7 +472,7 @@ def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, M, N, N8, 
     mask = (row < M) & (col < N)
     g = tl.load(g_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(dw_ptr + row * N + col, _cast(g, dw_ptr.dtype.element_ty), mask=mask)
-    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, N, N8, NOISE, BT)
+    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
     s = tl.sum(tl.sum(g * r, axis=2), axis=0)
     tidx = tl.program_id(0) * TN + ti
     tmask = ti < TN
@@ -492,7 +498,7 @@ def _generate_triton(m, n, seed, method, block=None, num_warps=None):
     grid = (triton.cdiv(n_words, block),)
     if method == "diffq":
         out = torch.empty(m, n, dtype=torch.bfloat16, device=seed.device)
-        _gen_diffq_kernel[grid](out, seed, n, n8, n_words, BLOCK=block, num_warps=num_warps)
+        _gen_diffq_kernel[grid](out, seed, m, n, n8, BLOCK=block, num_warps=num_warps)
         return out
     out = torch.empty(m, n8, dtype=torch.int32, device=seed.device)
     kernel = _gen_gaussws_kernel if method == "gaussws" else _gen_bm_kernel
@@ -714,6 +720,21 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
 # ----------------------------------------------------------------------------------------------
 # module API
 
+@torch.library.custom_op("gaussws::next_seed", mutates_args=("state",))
+def _next_seed_op(state: torch.Tensor) -> torch.Tensor:
+    """Returns a copy of state = [key, t] and advances t in place. An opaque op on purpose: with
+    `state.clone(); state[1] += 1` in plain ops, Inductor may let the saved seed alias the buffer
+    it then mutates, and the backward would regenerate R with t + 1."""
+    seed = state.clone()
+    state[1] += 1
+    return seed
+
+
+@_next_seed_op.register_fake
+def _(state):
+    return torch.empty_like(state)
+
+
 def _splitmix64(x):
     x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
@@ -772,15 +793,11 @@ class GaussWSLinear(nn.Linear):
         return self.b_target + self.b_i.float() * (self.b_init - self.b_target)
 
     def _next_seed(self):
-        seed = self.noise_state.clone()
         if not self.training:
-            return seed
+            return self.noise_state.clone()
         if _in_backward_pass():      # activation recomputation of the last call: same seed
-            seed[1] -= 1
-        else:
-            with torch.no_grad():
-                self.noise_state[1] += 1
-        return seed
+            return self.noise_state - torch.tensor([0, 1], device=self.noise_state.device)
+        return torch.ops.gaussws.next_seed(self.noise_state)
 
     def forward(self, x):
         if not (self.training or self.sample_in_eval):
