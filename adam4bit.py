@@ -42,13 +42,19 @@ def sqrt_rn(x):
     return x.double().sqrt().float()
 
 
-def preconditioner(v, bias_correction2, eps):
-    """h_t(v) = 1 / (sqrt(v) / sqrt(1 - b2^t) + eps) (paper B, Sec. 3.1), elementwise, float32.
+def _denominator(v, bias_correction2, eps):
+    # r_t(v) = sqrt(v) / sqrt(1 - b2^t) + eps, the AdamW denominator; h_t = 1 / r_t. The
+    # quantizer multiplies by the float32 reciprocal of sqrt(bc2) (cheaper than a division).
+    return sqrt_rn(v) * _f32(1 / math.sqrt(bias_correction2)) + eps
 
-    Written with sqrt(v)/sqrt(bc2), the same operation order as the AdamW denominator, so the
-    update coordinate is exactly the quantity the parameter update divides by.
-    """
-    return 1.0 / (sqrt_rn(v) / math.sqrt(bias_correction2) + eps)
+
+def _f32(x):
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def preconditioner(v, bias_correction2, eps):
+    """h_t(v) = 1 / (sqrt(v / (1 - b2^t)) + eps) (paper B, Sec. 3.1), elementwise, float32."""
+    return 1.0 / _denominator(v, bias_correction2, eps)
 
 
 def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, eps=1e-8, u=None):
@@ -68,12 +74,15 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
     count = sum((levels[..., k:k + 1] <= x).long() for k in range(K))   # levels <= x
     lo = (count - 1).clamp(0, K - 2)
     a, b = levels.gather(-1, lo), levels.gather(-1, lo + 1)
+    # p = (phi(b) - phi(x)) / (phi(b) - phi(a)) = num / den, den > 0 inside the cell; decided
+    # without a division: RTN takes a iff 2 num > den, SR iff u den < num. For phi = h = 1/r:
+    # p = (1/rb - 1/rx) / (1/rb - 1/ra) = (rb - rx) ra / ((rb - ra) rx).
     if coord == "update":
-        fa, fb, fx = (preconditioner(z, bias_correction2, eps) for z in (a, b, x))
+        ra, rb, rx = (_denominator(z, bias_correction2, eps) for z in (a, b, x))
+        num, den = (rb - rx) * ra, (rb - ra) * rx
     else:
-        fa, fb, fx = a, b, x
-    p = (fb - fx) / (fb - fa)                  # probability of writing the lower level a
-    take_a = p > 0.5 if rule == "rtn" else u < p
+        num, den = b - x, b - a
+    take_a = 2 * num > den if rule == "rtn" else u * den < num
     return torch.where(take_a, lo, lo + 1)
 
 
@@ -472,7 +481,7 @@ class AdamW4bit(torch.optim.Optimizer):
         extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
         _adamw4bit_kernel[(progs[2],)](
             progs[0], progs[1], tab, len(items), cbs[0], cbs[1],
-            1 - lr * wd, lr / bc1, b1, 1 - b1, b2, 1 - b2, math.sqrt(bc2), eps,
+            1 - lr * wd, lr / bc1, b1, 1 - b1, b2, 1 - b2, math.sqrt(bc2), 1 / math.sqrt(bc2), eps,
             M_K=cbs[0].numel(), V_K=cbs[1].numel(), M_SR=m_rule == "sr", V_SR=v_rule == "sr",
             V_UPDATE=v_coord == "update", EDEN=bool(c["eden"]),
             GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16, HAS_U=u is not None,
@@ -514,71 +523,69 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 # the fused Triton step: one pass over param, grad and both packed moments
 
 @triton.jit
-def _decode(q_ptr, s_ptr, cb_ptr, rows, rmask, BS: tl.constexpr, NB: tl.constexpr):
-    # packed uint8 (NB, BS/2) -> codes (NB, BS) -> s * T[code], as dequantize_blockwise
-    pcols = tl.arange(0, BS // 2)
-    packed = tl.load(q_ptr + rows[:, None] * (BS // 2) + pcols[None, :], mask=rmask[:, None], other=0)
-    codes = tl.reshape(tl.join(packed & 15, packed >> 4), (NB, BS))
-    scale = tl.load(s_ptr + rows, mask=rmask, other=0.0)
-    return scale[:, None] * tl.load(cb_ptr + codes.to(tl.int32))
-
-
-@triton.jit
-def _h(z, sqrt_bc2, eps):
-    # preconditioner h_t(z) = 1 / (sqrt(z)/sqrt(1-b2^t) + eps), IEEE-rounded like torch
-    return tl.div_rn(1.0, tl.div_rn(tl.sqrt_rn(z), sqrt_bc2) + eps)
-
-
-@triton.jit
-def _encode(x, q_ptr, s_ptr, cb_ptr, rows, rmask, u, sqrt_bc2, eps, K: tl.constexpr,
-            SR: tl.constexpr, UPDATE: tl.constexpr, EDEN: tl.constexpr, BS: tl.constexpr,
-            NB: tl.constexpr):
-    # quantize_blockwise + pack_nibbles for NB blocks, same float32 operations as the reference
-    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
-    count = tl.zeros((NB, BS), dtype=tl.int32)
+def _quantize(x, s, cb_ptr, u, inv_sqrt_bc2, eps, K: tl.constexpr, SR: tl.constexpr,
+              UPDATE: tl.constexpr):
+    # round_to_levels with levels s * T, the same float32 operations; x (R, C), s (R,)
+    count = tl.zeros(x.shape, dtype=tl.int32)
     for k in tl.static_range(K):
         count += (s[:, None] * tl.load(cb_ptr + k) <= x).to(tl.int32)
     lo = tl.minimum(tl.maximum(count - 1, 0), K - 2)
     a = s[:, None] * tl.load(cb_ptr + lo)
     b = s[:, None] * tl.load(cb_ptr + lo + 1)
     if UPDATE:
-        fa, fb, fx = _h(a, sqrt_bc2, eps), _h(b, sqrt_bc2, eps), _h(x, sqrt_bc2, eps)
+        ra = tl.sqrt_rn(a) * inv_sqrt_bc2 + eps
+        rb = tl.sqrt_rn(b) * inv_sqrt_bc2 + eps
+        rx = tl.sqrt_rn(x) * inv_sqrt_bc2 + eps
+        num = (rb - rx) * ra
+        den = (rb - ra) * rx
     else:
-        fa, fb, fx = a, b, x
-    p = tl.div_rn(fb - fx, fb - fa)
+        num = b - x
+        den = b - a
     if SR:
-        codes = tl.where(u < p, lo, lo + 1)
+        take_a = u * den < num
     else:
-        codes = tl.where(p > 0.5, lo, lo + 1)
-    if EDEN:
-        y = tl.div_rn(x, s[:, None])
-        q = tl.load(cb_ptr + codes)
-        yy = tl.sum((y * y).to(tl.float64), axis=1)
-        yq = tl.maximum(tl.sum((y * q).to(tl.float64), axis=1), 1e-12)
-        s = (yy / yq).to(tl.float32) * s
-    lo4, hi4 = tl.split(tl.reshape(codes.to(tl.uint8), (NB, BS // 2, 2)))
-    pcols = tl.arange(0, BS // 2)
-    tl.store(q_ptr + rows[:, None] * (BS // 2) + pcols[None, :], lo4 | (hi4 << 4), mask=rmask[:, None])
-    tl.store(s_ptr + rows, s, mask=rmask)
+        take_a = 2 * num > den
+    return tl.where(take_a, lo, lo + 1)
+
+
+@triton.jit
+def _eden_scale(x0, x1, c0, c1, s, cb_ptr):
+    # EDEN: s * float32(sum y² / max(sum y q, 1e-12)), y = x / s, sums in float64
+    y0 = tl.div_rn(x0, s[:, None])
+    y1 = tl.div_rn(x1, s[:, None])
+    q0 = tl.load(cb_ptr + c0)
+    q1 = tl.load(cb_ptr + c1)
+    yy = tl.sum((y0 * y0).to(tl.float64), axis=1) + tl.sum((y1 * y1).to(tl.float64), axis=1)
+    yq = tl.sum((y0 * q0).to(tl.float64), axis=1) + tl.sum((y1 * q1).to(tl.float64), axis=1)
+    return (yy / tl.maximum(yq, 1e-12)).to(tl.float32) * s
+
+
+@triton.jit
+def _uniform(r):
+    # 24 random bits -> float32 in [0, 1), exact
+    return (r >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
 def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb,
-                      decay, step_size, b1, one_minus_b1, b2, one_minus_b2, sqrt_bc2, eps,
-                      M_K: tl.constexpr, V_K: tl.constexpr, M_SR: tl.constexpr,
-                      V_SR: tl.constexpr, V_UPDATE: tl.constexpr, EDEN: tl.constexpr,
-                      GRAD_BF16: tl.constexpr, HAS_U: tl.constexpr, BS: tl.constexpr,
-                      NB: tl.constexpr):
+                      decay, step_size, b1, one_minus_b1, b2, one_minus_b2, sqrt_bc2,
+                      inv_sqrt_bc2, eps, M_K: tl.constexpr, V_K: tl.constexpr,
+                      M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
+                      EDEN: tl.constexpr, GRAD_BF16: tl.constexpr, HAS_U: tl.constexpr,
+                      BS: tl.constexpr, NB: tl.constexpr):
     # tab rows (int64, n_tensors each): param, grad, m codes, m scales, v codes, v scales
-    # pointers; numel; SR seed; [u_m, u_v pointers if HAS_U]. Each program does NB blocks.
+    # pointers; numel; SR seed; [u_m, u_v pointers if HAS_U]. A program does NB blocks of BS.
+    # Even and odd elements are held as two (NB, BS/2) halves: they are the low and high
+    # nibbles of one byte, so packing needs no data exchange between threads.
     pid = tl.program_id(0)
     ti = tl.load(prog_tensor + pid)
     first = (pid - tl.load(prog_start + ti)).to(tl.int64) * NB
     numel = tl.load(tab + 6 * n_tensors + ti)
     rows = first + tl.arange(0, NB)                                   # int64 block indices
     rmask = rows < numel // BS
-    offs = rows[:, None] * BS + tl.arange(0, BS)[None, :]
+    pairs = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # byte index
     mask = rmask[:, None]
+    e0 = 2 * pairs                                                    # even element index
     p_ptr = tl.load(tab + ti).to(tl.pointer_type(tl.float32))
     if GRAD_BF16:
         g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.bfloat16))
@@ -589,28 +596,54 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb,
     vq = tl.load(tab + 4 * n_tensors + ti).to(tl.pointer_type(tl.uint8))
     vs = tl.load(tab + 5 * n_tensors + ti).to(tl.pointer_type(tl.float32))
 
-    w = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = _decode(mq, ms, m_cb, rows, rmask, BS, NB) * b1 + g * one_minus_b1
-    v = _decode(vq, vs, v_cb, rows, rmask, BS, NB) * b2 + g * g * one_minus_b2
-    w = w * decay - tl.div_rn(step_size * m, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps)
-    tl.store(p_ptr + offs, w, mask=mask)
+    # decode (dequantize_blockwise) and the working moments, m~ = b1 Q(m) + (1-b1) g, ...
+    mbyte = tl.load(mq + pairs, mask=mask, other=0).to(tl.int32)
+    vbyte = tl.load(vq + pairs, mask=mask, other=0).to(tl.int32)
+    msc = tl.load(ms + rows, mask=rmask, other=0.0)[:, None]
+    vsc = tl.load(vs + rows, mask=rmask, other=0.0)[:, None]
+    g0 = tl.load(g_ptr + e0, mask=mask, other=0.0).to(tl.float32)
+    g1 = tl.load(g_ptr + e0 + 1, mask=mask, other=0.0).to(tl.float32)
+    m0 = msc * tl.load(m_cb + (mbyte & 15)) * b1 + g0 * one_minus_b1
+    m1 = msc * tl.load(m_cb + (mbyte >> 4)) * b1 + g1 * one_minus_b1
+    v0 = vsc * tl.load(v_cb + (vbyte & 15)) * b2 + g0 * g0 * one_minus_b2
+    v1 = vsc * tl.load(v_cb + (vbyte >> 4)) * b2 + g1 * g1 * one_minus_b2
 
-    # SR uniforms: Philox keyed by the per-(step, tensor) seed, or given ones (kernel tests)
-    seed = tl.load(tab + 7 * n_tensors + ti).to(tl.int32)
-    um = 0.0
-    uv = 0.0
-    if M_SR:
+    # AdamW update with the working moments (update-before-storage)
+    w0 = tl.load(p_ptr + e0, mask=mask, other=0.0)
+    w1 = tl.load(p_ptr + e0 + 1, mask=mask, other=0.0)
+    w0 = w0 * decay - tl.div_rn(step_size * m0, tl.div_rn(tl.sqrt_rn(v0), sqrt_bc2) + eps)
+    w1 = w1 * decay - tl.div_rn(step_size * m1, tl.div_rn(tl.sqrt_rn(v1), sqrt_bc2) + eps)
+    tl.store(p_ptr + e0, w0, mask=mask)
+    tl.store(p_ptr + e0 + 1, w1, mask=mask)
+
+    # SR uniforms: one Philox call per byte gives 4 words (m even/odd, v even/odd)
+    um0 = 0.0
+    um1 = 0.0
+    uv0 = 0.0
+    uv1 = 0.0
+    if M_SR or V_SR:
         if HAS_U:
-            um = tl.load(tl.load(tab + 8 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + offs,
-                         mask=mask, other=0.0)
+            u_m = tl.load(tab + 8 * n_tensors + ti).to(tl.pointer_type(tl.float32))
+            u_v = tl.load(tab + 9 * n_tensors + ti).to(tl.pointer_type(tl.float32))
+            um0 = tl.load(u_m + e0, mask=mask, other=0.0)
+            um1 = tl.load(u_m + e0 + 1, mask=mask, other=0.0)
+            uv0 = tl.load(u_v + e0, mask=mask, other=0.0)
+            uv1 = tl.load(u_v + e0 + 1, mask=mask, other=0.0)
         else:
-            um = tl.rand(seed, offs)
-    if V_SR:
-        if HAS_U:
-            uv = tl.load(tl.load(tab + 9 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + offs,
-                         mask=mask, other=0.0)
-        else:
-            uv = tl.rand(seed ^ 0x2545F491, offs)
-    _encode(m, mq, ms, m_cb, rows, rmask, um, sqrt_bc2, eps, M_K, M_SR, False, False, BS, NB)
-    _encode(v, vq, vs, v_cb, rows, rmask, uv, sqrt_bc2, eps, V_K, V_SR, V_UPDATE, EDEN, BS, NB)
+            seed = tl.load(tab + 7 * n_tensors + ti).to(tl.int32)
+            r0, r1, r2, r3 = tl.randint4x(seed, pairs)
+            um0, um1, uv0, uv1 = _uniform(r0), _uniform(r1), _uniform(r2), _uniform(r3)
+
+    # quantize both moments (blocks of BS = the two halves of each row) and pack
+    s = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=1), tl.max(tl.abs(m1), axis=1)), 1e-12)
+    c0 = _quantize(m0, s, m_cb, um0, inv_sqrt_bc2, eps, M_K, M_SR, False)
+    c1 = _quantize(m1, s, m_cb, um1, inv_sqrt_bc2, eps, M_K, M_SR, False)
+    tl.store(mq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
+    tl.store(ms + rows, s, mask=rmask)
+    s = tl.maximum(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)), 1e-12)
+    c0 = _quantize(v0, s, v_cb, uv0, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
+    c1 = _quantize(v1, s, v_cb, uv1, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
+    if EDEN:
+        s = _eden_scale(v0, v1, c0, c1, s, v_cb)
+    tl.store(vq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
+    tl.store(vs + rows, s, mask=rmask)
