@@ -108,8 +108,12 @@ def check_gpu():
         assert torch.equal(qr, qk), "diffq noise differs"
         a, _ = g._apply_torch(w, qr, pow2, "diffq", BF16)
         b, _ = g._apply_triton(w, qk, pow2, seed, "diffq", BF16, False)
-        ulp = a.float().abs().clamp_min(1e-30) * 2.0 ** -7
-        assert ((a.float() - b.float()).abs() <= ulp).all(), "diffq apply off by more than 1 ulp"
+        # the GPU may fuse w + R·s into one FMA: differences of one fp32 rounding of R·s plus one
+        # BF16 rounding of the result are allowed
+        rs = g._broadcast_tiles(tr * pow2, m, n) * qr.float().abs()
+        bound = a.float().abs() * 2.0 ** -7 + rs * 2.0 ** -23
+        assert ((a.float() - b.float()).abs() <= bound).all(), "diffq apply off by more than the FMA bound"
+        print(f"  {m}x{n}: diffq kernel == reference for {(a == b).float().mean().item():.4%} of elements")
     print("GPU bit-exactness: packed R, w_hat, tile max (3-step and fused) == reference; grads ok; diffq ok")
 
     m = n = 8192
@@ -257,7 +261,7 @@ def table(bw, fused_cfg):
     print(f"\ncopy bandwidth (read+write): {bw / 1e12:.3f} TB/s; floor = numel * 7 B / that")
     hdr = (f"{'shape':>12s} {'eager':>8s} {'compiled':>8s} {'bm':>8s} {'ours':>8s} {'fused':>8s} {'diffq':>8s} "
            f"{'floor':>8s} {'ours_g':>8s} {'fused_g':>8s} {'comp_g':>8s} {'bwd':>8s} {'bwd_f':>8s} "
-           f"{'gen':>8s} {'apply':>8s} {'eag/ours':>8s} {'eag/fused':>9s} {'comp/ours':>9s} {'comp/fus':>8s} {'floor%':>6s} {'floor%f':>7s}")
+           f"{'gen':>8s} {'apply':>8s} {'bm_g':>8s} {'eag/ours':>8s} {'eag/fused':>9s} {'comp/ours':>9s} {'comp/fus':>8s} {'floor%':>6s} {'floor%f':>7s}")
     print("times in microseconds (median); *_g = CUDA-graph replay (GPU time only)")
     print(hdr)
     out = []
@@ -279,12 +283,12 @@ def table(bw, fused_cfg):
                  bm=bench(bm), ours=bench(ours), fused=bench(fused), diffq=bench(dq),
                  floor=m * n * 7 / bw * 1e3, ours_g=bench(ours, True), fused_g=bench(fused, True),
                  comp_g=bench(lambda: comp(w, bt), True), bwd=bench(bwd), bwd_f=bench(bwdf),
-                 gen=bench(lambda: g._generate_triton(m, n, seed, "gaussws")),
+                 gen=bench(lambda: g._generate_triton(m, n, seed, "gaussws")), bm_g=bench(bm, True),
                  apply=bench(lambda: g._apply_triton(w, packed, pow2, seed, "gaussws", BF16, False)))
         out.append(r)
         us = lambda k: f"{r[k] * 1e3:8.1f}"
         print(f"{r['shape']:>12s} " + " ".join(us(k) for k in ("eager", "compiled", "bm", "ours", "fused", "diffq", "floor",
-                                                             "ours_g", "fused_g", "comp_g", "bwd", "bwd_f", "gen", "apply"))
+                                                             "ours_g", "fused_g", "comp_g", "bwd", "bwd_f", "gen", "apply", "bm_g"))
               + f" {r['eager'] / r['ours']:8.2f} {r['eager'] / r['fused']:9.2f} {r['compiled'] / r['ours']:9.2f}"
               + f" {r['compiled'] / r['fused']:8.2f} {100 * r['floor'] / r['ours']:6.1f}"
               + f" {100 * r['floor'] / r['fused']:7.1f}")
@@ -308,12 +312,12 @@ def main():
     if not args.skip_compile:
         section(check_compile)
         print(f"[{time.time() - t0:.0f}s]")
-    fused_cfg = (g.CONFIG["apply_bt"], g.CONFIG["apply_warps"])
+    fused_cfg = (g.CONFIG["fused_bt"], g.CONFIG["fused_warps"])
     if not args.skip_sweep:
         res = section(sweep)
         if res:
             cfg, fused_cfg = res
-            g.CONFIG.update(cfg)
+            g.CONFIG.update(cfg, fused_bt=fused_cfg[0], fused_warps=fused_cfg[1])
         print("using CONFIG", g.CONFIG, "fused", fused_cfg, f"[{time.time() - t0:.0f}s]")
     rows = table(copy_bandwidth(), fused_cfg)
     if os.environ.get("OUT"):

@@ -77,8 +77,9 @@ GPT2_PARTS = ("qkv", "out", "up", "down")
 LLAMA_PARTS = ("q", "k", "v", "out", "gate", "up", "down")
 ALL_PARTS = tuple(dict.fromkeys(GPT2_PARTS + LLAMA_PARTS))
 
-# launch configuration (tuned on H200, see bench_noise_draft.py); the bench may override these
-CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=4, apply_warps=4, grad_bt=4, grad_warps=4)
+# launch configuration: best of the sweep at 8192² on an H200 (bench_noise_draft.py, 2026-11-30)
+CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4, grad_warps=4,
+              fused_bt=4, fused_warps=4)
 
 _M32 = 0xFFFFFFFF
 _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
@@ -513,26 +514,28 @@ def _noise_mode(method, fused):
 def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None):
     m, n = w.shape
     tm, tn = tile_grid(m, n)
-    bt = bt or CONFIG["apply_bt"]
+    mode = _noise_mode(method, fused)
+    key = "fused" if mode == 2 else "apply"
+    bt, num_warps = bt or CONFIG[key + "_bt"], num_warps or CONFIG[key + "_warps"]
     w_hat = torch.empty(m, n, dtype=out_dtype, device=w.device)
     tmax = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
-    mode = _noise_mode(method, fused)
     r = w if mode == 2 else noise   # unused pointer in fused mode
     _apply_kernel[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed, m, n, -(-n // 8), tn,
-                                             NOISE=mode, BT=bt, num_warps=num_warps or CONFIG["apply_warps"])
+                                             NOISE=mode, BT=bt, num_warps=num_warps)
     return w_hat, tmax
 
 
 def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None):
     m, n = g.shape
     tm, tn = tmax.shape
-    bt = bt or CONFIG["grad_bt"]
+    mode = _noise_mode(method, fused)
+    key = "fused" if mode == 2 else "grad"
+    bt, num_warps = bt or CONFIG[key + "_bt"], num_warps or CONFIG[key + "_warps"]
     dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
     dpow2 = torch.empty(tm, tn, dtype=torch.float32, device=g.device)
-    mode = _noise_mode(method, fused)
     r = g if mode == 2 else noise
     _grad_kernel[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
-                                            NOISE=mode, BT=bt, num_warps=num_warps or CONFIG["grad_warps"])
+                                            NOISE=mode, BT=bt, num_warps=num_warps)
     return dw, dpow2
 
 
@@ -758,7 +761,8 @@ class GaussWSLinear(nn.Linear):
     (R ~ U(-0.5, 0.5) in BF16); b_init, b_target (eq. 12; defaults 6 and 4); seed: this layer's
     seed (its Philox key is splitmix64(seed)); memory "save" (paper: w_hat kept in BF16 for
     backward) or "recompute" (w_hat rebuilt in backward); impl "auto"|"torch"|"triton";
-    fused: generate R inside the apply/grad kernels (GaussWS, Triton).
+    fused: generate R inside the apply/grad kernels (GaussWS, Triton; default, faster at every
+    measured shape, same R and same w_hat bits); fused=False is the paper's 3-kernel design.
 
     Parameters: weight (out, in) and bias as nn.Linear, `b_i` (ceil(out/32), ceil(in/32)) init 1
     (put weight decay on it to pull b_t to b_target). Buffer `noise_state` int64 [key, call
@@ -769,7 +773,7 @@ class GaussWSLinear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, method="gaussws", b_init=6.0,
-                 b_target=4.0, seed=0, memory="save", impl="auto", fused=False, device=None, dtype=None):
+                 b_target=4.0, seed=0, memory="save", impl="auto", fused=True, device=None, dtype=None):
         _check_choice("method", method, METHODS)
         _check_choice("memory", memory, MEMORY_MODES)
         _check_choice("impl", impl, IMPLS)
@@ -826,12 +830,13 @@ def _parse_parts(parts):
 
 
 def apply_pqt(model, method="gaussws", parts="all", b_init=6, b_target=4, seed=0, memory="save",
-              impl="auto", fused=False):
+              impl="auto", fused=True):
     """Replace the nn.Linear layers named in `parts` inside `model.blocks` by GaussWSLinear
     (same weight and bias Parameters, device and dtype). parts: "all", "od" (out + down) or a
     comma list of qkv,out,up,down (GPT-2) / q,k,v,out,gate,up,down (Llama). Embeddings, norms and
     the LM head (outside model.blocks) are never sampled. Layer seeds come from
-    random.Random(seed) in module order (§3.6 seed generator). Returns the replaced names
+    random.Random(seed) in module order (§3.6 seed generator). `fused` as in GaussWSLinear.
+    Returns the replaced names
     ("blocks.0.attn.qkv", ...). Raises ValueError when nothing matches."""
     _check_choice("method", method, METHODS)
     _check_choice("memory", memory, MEMORY_MODES)

@@ -230,7 +230,10 @@ def test_diffq_apply_kernel():
         a, ta = g.apply_noise(w, noise, bt, "diffq", impl="torch")
         b, tb = g.apply_noise(w, noise, bt, "diffq", impl="triton")
         assert torch.equal(ta, tb)
-        assert ((a.float() - b.float()).abs() <= a.float().abs() * 2 ** -7).all()   # <= 1 bf16 ulp (FMA)
+        # a GPU may fuse w + R·s into one FMA: then results differ by the rounding of R·s (fp32)
+        # plus one BF16 rounding of the result
+        rs = g._broadcast_tiles(ta * torch.exp2(1 - bt), m, n) * noise.float().abs()
+        assert ((a.float() - b.float()).abs() <= a.float().abs() * 2 ** -7 + rs * 2 ** -23).all()
 
 
 def test_tile_max_partial_edge_tiles():
@@ -358,7 +361,7 @@ def test_backward_regenerates_identical_r(monkeypatch, impl, memory):
             seen.append(out.clone())
             return out
         monkeypatch.setattr(g, name, spy)
-    layer = g.GaussWSLinear(45, 70, seed=3, memory=memory, impl=impl).to(DEV)
+    layer = g.GaussWSLinear(45, 70, seed=3, memory=memory, impl=impl, fused=False).to(DEV)
     x = torch.randn(4, 45, device=DEV, requires_grad=True)
     layer(x).square().sum().backward()
     assert len(seen) == (2 if memory == "save" else 3)
