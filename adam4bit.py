@@ -525,11 +525,15 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 @triton.jit
 def _quantize(x, s, cb_ptr, u, inv_sqrt_bc2, eps, K: tl.constexpr, SR: tl.constexpr,
               UPDATE: tl.constexpr):
-    # round_to_levels with levels s * T, the same float32 operations; x (R, C), s (R,)
-    count = tl.zeros(x.shape, dtype=tl.int32)
-    for k in tl.static_range(K):
-        count += (s[:, None] * tl.load(cb_ptr + k) <= x).to(tl.int32)
-    lo = tl.minimum(tl.maximum(count - 1, 0), K - 2)
+    # round_to_levels with levels s * T, the same float32 operations; x (R, C), s (R,).
+    # Binary search for lo = max{k : s T[k] <= x} (0 if none), clamped to K - 2: the same
+    # index as the reference's count of levels <= x, in 4 table reads instead of K compares.
+    lo = tl.zeros(x.shape, dtype=tl.int32)
+    for sh in tl.static_range(3, -1, -1):
+        nxt = lo + (1 << sh)
+        ok = nxt <= K - 2
+        lvl = s[:, None] * tl.load(cb_ptr + tl.minimum(nxt, K - 2))
+        lo = tl.where(ok & (lvl <= x), nxt, lo)
     a = s[:, None] * tl.load(cb_ptr + lo)
     b = s[:, None] * tl.load(cb_ptr + lo + 1)
     if UPDATE:
@@ -581,20 +585,22 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb,
     ti = tl.load(prog_tensor + pid)
     first = (pid - tl.load(prog_start + ti)).to(tl.int64) * NB
     numel = tl.load(tab + 6 * n_tensors + ti)
-    rows = first + tl.arange(0, NB)                                   # int64 block indices
-    rmask = rows < numel // BS
+    # int64 only in the per-program base pointers (tensors may exceed 2^31 elements); int32
+    # offsets within the program's NB * BS elements.
+    rows = tl.arange(0, NB)
+    rmask = rows < numel // BS - first
     pairs = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # byte index
     mask = rmask[:, None]
     e0 = 2 * pairs                                                    # even element index
-    p_ptr = tl.load(tab + ti).to(tl.pointer_type(tl.float32))
+    p_ptr = tl.load(tab + ti).to(tl.pointer_type(tl.float32)) + first * BS
     if GRAD_BF16:
-        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.bfloat16))
+        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.bfloat16)) + first * BS
     else:
-        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.float32))
-    mq = tl.load(tab + 2 * n_tensors + ti).to(tl.pointer_type(tl.uint8))
-    ms = tl.load(tab + 3 * n_tensors + ti).to(tl.pointer_type(tl.float32))
-    vq = tl.load(tab + 4 * n_tensors + ti).to(tl.pointer_type(tl.uint8))
-    vs = tl.load(tab + 5 * n_tensors + ti).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.float32)) + first * BS
+    mq = tl.load(tab + 2 * n_tensors + ti).to(tl.pointer_type(tl.uint8)) + first * (BS // 2)
+    ms = tl.load(tab + 3 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + first
+    vq = tl.load(tab + 4 * n_tensors + ti).to(tl.pointer_type(tl.uint8)) + first * (BS // 2)
+    vs = tl.load(tab + 5 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + first
 
     # decode (dequantize_blockwise) and the working moments, m~ = b1 Q(m) + (1-b1) g, ...
     mbyte = tl.load(mq + pairs, mask=mask, other=0).to(tl.int32)
@@ -623,15 +629,15 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb,
     uv1 = 0.0
     if M_SR or V_SR:
         if HAS_U:
-            u_m = tl.load(tab + 8 * n_tensors + ti).to(tl.pointer_type(tl.float32))
-            u_v = tl.load(tab + 9 * n_tensors + ti).to(tl.pointer_type(tl.float32))
+            u_m = tl.load(tab + 8 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + first * BS
+            u_v = tl.load(tab + 9 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + first * BS
             um0 = tl.load(u_m + e0, mask=mask, other=0.0)
             um1 = tl.load(u_m + e0 + 1, mask=mask, other=0.0)
             uv0 = tl.load(u_v + e0, mask=mask, other=0.0)
             uv1 = tl.load(u_v + e0 + 1, mask=mask, other=0.0)
         else:
             seed = tl.load(tab + 7 * n_tensors + ti).to(tl.int32)
-            r0, r1, r2, r3 = tl.randint4x(seed, pairs)
+            r0, r1, r2, r3 = tl.randint4x(seed, pairs + first * (BS // 2))
             um0, um1, uv0, uv1 = _uniform(r0), _uniform(r1), _uniform(r2), _uniform(r3)
 
     # quantize both moments (blocks of BS = the two halves of each row) and pack
