@@ -8,7 +8,8 @@ A prepared dataset is a folder with
 Sources (--dataset):
     stdlib       the Python standard library's own .py files (real text on every machine, no download)
     <path>       a local text file or folder (.txt .md .py, optionally .xz/.gz compressed); in a
-                 folder, files whose name starts with "val" form the validation split
+                 folder, files whose name starts with "val" form the validation split; a folder
+                 that already holds a prepared dataset (meta.json) is used as it is
     shakespeare  tiny-shakespeare, downloaded once
     openwebtext, fineweb-edu, c4   streamed through HF `datasets` (needs the package and internet),
                  capped at --max_tokens
@@ -271,6 +272,11 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
     Raises ValueError for an unknown name or missing path, RuntimeError when a download fails or a
     split ends up empty."""
     check_dataset_arg(dataset)
+    if os.path.isfile(os.path.join(dataset, "meta.json")):   # an already prepared folder
+        meta = load_meta(dataset)
+        if meta["tokenizer"] != tokenizer and verbose:
+            print(f"[data] {dataset} was prepared with the {meta['tokenizer']} tokenizer; using it as it is")
+        return dataset
     tok = get_tokenizer(tokenizer, verbose=verbose)
     data_dir = data_dir or DATA_DIR
     out = os.path.join(data_dir, dataset_name(dataset, tok.name))

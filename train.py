@@ -62,7 +62,7 @@ def build_parser():
     g.add_argument("--preset", default="auto", choices=("auto",) + tuple(PRESETS),
                    help="model shape; auto: tiny on CPU, gpt2-124m on CUDA")
     g.add_argument("--dataset", default="stdlib",
-                   help="stdlib | shakespeare | openwebtext | fineweb-edu | c4 | a local text file or folder")
+                   help="stdlib | shakespeare | openwebtext | fineweb-edu | c4 | a local text file or folder | a prepared data folder (meta.json)")
     g.add_argument("--tokenizer", default="auto", choices=("auto", "gpt2", "byte"),
                    help="auto: gpt2 on CUDA, byte on CPU (a 50k-vocab LM head and softmax dominate a CPU step)")
     g.add_argument("--data_dir", default=datamod.DATA_DIR, help="where prepared datasets live")
