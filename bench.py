@@ -47,7 +47,7 @@ def _make(shapes, grad_dtype=torch.float32, seed=0):
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g) * 0.02) for s in shapes]
     for p in ps:
         p.grad_dtype = None
-        p.grad = (torch.randn(s, device="cuda", generator=g) * 1e-3).to(grad_dtype)
+        p.grad = (torch.randn(p.shape, device="cuda", generator=g) * 1e-3).to(grad_dtype)
     return ps
 
 
