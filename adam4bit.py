@@ -42,10 +42,13 @@ def sqrt_rn(x):
     return x.double().sqrt().float()
 
 
-def _denominator(v, bias_correction2, eps):
-    # r_t(v) = sqrt(v) / sqrt(1 - b2^t) + eps, the AdamW denominator; h_t = 1 / r_t. The
-    # quantizer multiplies by the float32 reciprocal of sqrt(bc2) (cheaper than a division).
-    return sqrt_rn(v) * _f32(1 / math.sqrt(bias_correction2)) + eps
+def _denominator(v, bias_correction2, eps, sqrt_v=None):
+    # r_t(v) = sqrt(v) / sqrt(1 - b2^t) + eps, the AdamW denominator, and h_t = 1 / r_t; written
+    # with the float32 reciprocal of sqrt(bc2) (a multiply, not a division). The 4-bit step and
+    # the quantizer's preconditioner coordinate share this one expression, so the kernel
+    # computes r_t(v~) once for both.
+    sqrt_v = sqrt_rn(v) if sqrt_v is None else sqrt_v
+    return sqrt_v * _f32(1 / math.sqrt(bias_correction2)) + eps
 
 
 def _f32(x):
@@ -57,7 +60,8 @@ def preconditioner(v, bias_correction2, eps):
     return 1.0 / _denominator(v, bias_correction2, eps)
 
 
-def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, eps=1e-8, u=None):
+def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, eps=1e-8, u=None,
+                    sqrt_levels=None):
     """Round each x to one of its two adjacent decoded levels; return int64 codes (level indices).
 
     x:      float32 tensor (..., n).
@@ -67,6 +71,8 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
     rule:   "rtn" or "sr" (paper B, Appendix A.2); coord: "state" (phi(v) = v) or "update"
             (phi = h_t, nonnegative levels only).
     u:      float32 uniforms in [0, 1) shaped like x, required for rule="sr".
+    sqrt_levels: optional sqrt of the levels (same shape) used for h_t(level); quantize_blockwise
+            passes sqrt(s) * sqrt(T) so the kernel reads a table instead of taking two roots.
     Saturation outside [levels[0], levels[-1]] falls out of p > 1 / p < 0 (module docstring).
     """
     K = levels.shape[-1]
@@ -78,7 +84,12 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
     # without a division: RTN takes a iff 2 num > den, SR iff u den < num. For phi = h = 1/r:
     # p = (1/rb - 1/rx) / (1/rb - 1/ra) = (rb - rx) ra / ((rb - ra) rx).
     if coord == "update":
-        ra, rb, rx = (_denominator(z, bias_correction2, eps) for z in (a, b, x))
+        if sqrt_levels is None:
+            sqrt_levels = sqrt_rn(levels)
+        sqrt_levels = sqrt_levels.expand(*x.shape[:-1], K)
+        ra = _denominator(a, bias_correction2, eps, sqrt_levels.gather(-1, lo))
+        rb = _denominator(b, bias_correction2, eps, sqrt_levels.gather(-1, lo + 1))
+        rx = _denominator(x, bias_correction2, eps)
         num, den = (rb - rx) * ra, (rb - ra) * rx
     else:
         num, den = b - x, b - a
@@ -136,7 +147,8 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
         u = torch.rand(xb.shape, device=xb.device, generator=generator)
     if u is not None:
         u = u.reshape(xb.shape)
-    codes = round_to_levels(xb, levels, rule, coord, bias_correction2, eps, u)
+    sqrt_levels = sqrt_rn(s)[:, None] * sqrt_rn(T)[None, :] if coord == "update" else None
+    codes = round_to_levels(xb, levels, rule, coord, bias_correction2, eps, u, sqrt_levels)
     if eden:
         y = xb / s[:, None]
         q = T[codes]
@@ -443,7 +455,7 @@ class AdamW4bit(torch.optim.Optimizer):
         v = v_prev * b2 + g * g * (1 - b2)
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         w = p.detach().reshape(-1).float()
-        w = w * (1 - lr * wd) - (lr / bc1) * m / (sqrt_rn(v) / math.sqrt(bc2) + eps)
+        w = w * (1 - lr * wd) - (lr / bc1) * m / _denominator(v, bc2, eps)
         p.copy_(w.view_as(p))
         gen = torch.Generator(device=p.device).manual_seed(seed)
         u_m, u_v = u if u is not None else (None, None)
@@ -459,7 +471,8 @@ class AdamW4bit(torch.optim.Optimizer):
         dev = items[0][0].device
         cbs = self._codebooks.get(dev)
         if cbs is None:
-            cbs = self._codebooks[dev] = tuple(get_codebook(c[k]).to(dev) for k in ("m_codebook", "v_codebook"))
+            T_m, T_v = (get_codebook(c[k]).to(dev) for k in ("m_codebook", "v_codebook"))
+            cbs = self._codebooks[dev] = (T_m, T_v, sqrt_rn(T_v))
         numels = tuple(p.numel() for p, _, _ in items)
         nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per program
         progs = self._prog_tables.get((dev, B, numels))
@@ -480,8 +493,8 @@ class AdamW4bit(torch.optim.Optimizer):
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
         _adamw4bit_kernel[(progs[2],)](
-            progs[0], progs[1], tab, len(items), cbs[0], cbs[1],
-            1 - lr * wd, lr / bc1, b1, 1 - b1, b2, 1 - b2, math.sqrt(bc2), 1 / math.sqrt(bc2), eps,
+            progs[0], progs[1], tab, len(items), *cbs,
+            1 - lr * wd, lr / bc1, b1, 1 - b1, b2, 1 - b2, 1 / math.sqrt(bc2), eps,
             M_K=cbs[0].numel(), V_K=cbs[1].numel(), M_SR=m_rule == "sr", V_SR=v_rule == "sr",
             V_UPDATE=v_coord == "update", EDEN=bool(c["eden"]),
             GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16, HAS_U=u is not None,
@@ -523,8 +536,8 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 # the fused Triton step: one pass over param, grad and both packed moments
 
 @triton.jit
-def _quantize(x, s, cb_ptr, u, inv_sqrt_bc2, eps, K: tl.constexpr, SR: tl.constexpr,
-              UPDATE: tl.constexpr):
+def _quantize(x, s, cb_ptr, u, rx, sq_cb_ptr, inv_sqrt_bc2, eps, K: tl.constexpr,
+              SR: tl.constexpr, UPDATE: tl.constexpr):
     # round_to_levels with levels s * T, the same float32 operations; x (R, C), s (R,).
     # Binary search for lo = max{k : s T[k] <= x} (0 if none), clamped to K - 2: the same
     # index as the reference's count of levels <= x, in 4 table reads instead of K compares.
@@ -537,9 +550,9 @@ def _quantize(x, s, cb_ptr, u, inv_sqrt_bc2, eps, K: tl.constexpr, SR: tl.conste
     a = s[:, None] * tl.load(cb_ptr + lo)
     b = s[:, None] * tl.load(cb_ptr + lo + 1)
     if UPDATE:
-        ra = tl.sqrt_rn(a) * inv_sqrt_bc2 + eps
-        rb = tl.sqrt_rn(b) * inv_sqrt_bc2 + eps
-        rx = tl.sqrt_rn(x) * inv_sqrt_bc2 + eps
+        sq_s = tl.sqrt_rn(s)[:, None]
+        ra = sq_s * tl.load(sq_cb_ptr + lo) * inv_sqrt_bc2 + eps
+        rb = sq_s * tl.load(sq_cb_ptr + lo + 1) * inv_sqrt_bc2 + eps
         num = (rb - rx) * ra
         den = (rb - ra) * rx
     else:
@@ -571,8 +584,8 @@ def _uniform(r):
 
 
 @triton.jit
-def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb,
-                      decay, step_size, b1, one_minus_b1, b2, one_minus_b2, sqrt_bc2,
+def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, v_sq_cb,
+                      decay, step_size, b1, one_minus_b1, b2, one_minus_b2,
                       inv_sqrt_bc2, eps, M_K: tl.constexpr, V_K: tl.constexpr,
                       M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
                       EDEN: tl.constexpr, GRAD_BF16: tl.constexpr, HAS_U: tl.constexpr,
@@ -617,8 +630,10 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb,
     # AdamW update with the working moments (update-before-storage)
     w0 = tl.load(p_ptr + e0, mask=mask, other=0.0)
     w1 = tl.load(p_ptr + e0 + 1, mask=mask, other=0.0)
-    w0 = w0 * decay - tl.div_rn(step_size * m0, tl.div_rn(tl.sqrt_rn(v0), sqrt_bc2) + eps)
-    w1 = w1 * decay - tl.div_rn(step_size * m1, tl.div_rn(tl.sqrt_rn(v1), sqrt_bc2) + eps)
+    r0 = tl.sqrt_rn(v0) * inv_sqrt_bc2 + eps                          # r_t(v~), reused below
+    r1 = tl.sqrt_rn(v1) * inv_sqrt_bc2 + eps
+    w0 = w0 * decay - tl.div_rn(step_size * m0, r0)
+    w1 = w1 * decay - tl.div_rn(step_size * m1, r1)
     tl.store(p_ptr + e0, w0, mask=mask)
     tl.store(p_ptr + e0 + 1, w1, mask=mask)
 
@@ -637,18 +652,19 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb,
             uv1 = tl.load(u_v + e0 + 1, mask=mask, other=0.0)
         else:
             seed = tl.load(tab + 7 * n_tensors + ti).to(tl.int32)
-            r0, r1, r2, r3 = tl.randint4x(seed, pairs + first * (BS // 2))
-            um0, um1, uv0, uv1 = _uniform(r0), _uniform(r1), _uniform(r2), _uniform(r3)
+            # Philox4x32 with 7 rounds (Random123's crush-resistant minimum; default is 10)
+            q0, q1, q2, q3 = tl.randint4x(seed, pairs + first * (BS // 2), n_rounds=7)
+            um0, um1, uv0, uv1 = _uniform(q0), _uniform(q1), _uniform(q2), _uniform(q3)
 
     # quantize both moments (blocks of BS = the two halves of each row) and pack
     s = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=1), tl.max(tl.abs(m1), axis=1)), 1e-12)
-    c0 = _quantize(m0, s, m_cb, um0, inv_sqrt_bc2, eps, M_K, M_SR, False)
-    c1 = _quantize(m1, s, m_cb, um1, inv_sqrt_bc2, eps, M_K, M_SR, False)
+    c0 = _quantize(m0, s, m_cb, um0, r0, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
+    c1 = _quantize(m1, s, m_cb, um1, r1, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
     tl.store(mq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
     tl.store(ms + rows, s, mask=rmask)
     s = tl.maximum(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)), 1e-12)
-    c0 = _quantize(v0, s, v_cb, uv0, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
-    c1 = _quantize(v1, s, v_cb, uv1, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
+    c0 = _quantize(v0, s, v_cb, uv0, r0, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
+    c1 = _quantize(v1, s, v_cb, uv1, r1, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
     if EDEN:
         s = _eden_scale(v0, v1, c0, c1, s, v_cb)
     tl.store(vq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
