@@ -18,6 +18,7 @@ import torch
 import triton
 
 import adam4bit as A
+import gaussws as g
 
 
 def median_ms(fn, warmup=25, rep=100):
@@ -157,6 +158,150 @@ def check_optim_gpu():
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# noise: GaussWS kernels (paper A, Sec. 3.5, Figure 6)
+
+SHAPES = [(768, 768), (3072, 768), (4096, 4096), (8192, 8192), (16384, 16384)]
+BF16 = torch.bfloat16
+
+
+def _time(fn, graph=False):
+    """Median ms; graph=True replays a CUDA graph (GPU time only, no launch overhead)."""
+    try:
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    except Exception as e:  # keep the rest of the table
+        print(f"  timing failed: {type(e).__name__}: {str(e)[:200]}")
+        return float("nan")
+
+
+def torch_eq3(w, b_t):
+    """Plain PyTorch eq. 3 with R = round(N(0,1)/2) (the paper's "torch" baseline)."""
+    m, n = w.shape
+    tm, tn = m // 32, n // 32
+    wv = w.view(tm, 32, tn, 32)
+    tmax = wv.abs().amax(dim=(1, 3), keepdim=True)
+    scale = tmax * torch.exp2(1.0 - b_t).view(tm, 1, tn, 1)
+    r = torch.round(torch.randn_like(wv) * 0.5)
+    return (wv + r * scale).view(m, n).to(BF16)
+
+
+
+def chi2_sf(x, dof):
+    """Survival function of the chi-square law for even dof (closed form)."""
+    assert dof % 2 == 0
+    h = x / 2
+    return math.exp(-h) * sum(h ** i / math.factorial(i) for i in range(dof // 2))
+
+
+def chi2(counts, probs):
+    n = counts.sum().item()
+    exp = torch.tensor(probs, dtype=torch.float64) * n
+    return (((counts.double().cpu() - exp) ** 2) / exp).sum().item()
+
+
+def check_noise_gpu():
+    """GaussWS kernels on the GPU: packed R, w_hat, tile max, grads == reference; chi-square."""
+    dev = "cuda"
+    seed = torch.tensor([0x1234_5678_9ABC, 17], device=dev)
+    for m, n in [(70, 45), (1, 1), (33, 100), (3072, 768), (4096, 4096)]:
+        ref = g._generate_torch(m, n, seed, "gaussws")
+        ker = g._generate_triton(m, n, seed, "gaussws")
+        assert torch.equal(ref, ker), f"packed R differs at {m}x{n}"
+        w = torch.randn(m, n, device=dev)
+        bt = 3 + 5 * torch.rand(g.tile_grid(m, n), device=dev)
+        pow2 = torch.exp2(1 - bt)
+        wr, tr = g._apply_torch(w, ref, pow2, "gaussws", BF16)
+        wk, tk = g._apply_triton(w, ker, pow2, seed, "gaussws", BF16, False)
+        wf, tf = g._apply_triton(w, None, pow2, seed, "gaussws", BF16, True)
+        assert torch.equal(wr, wk) and torch.equal(tr, tk), f"apply differs at {m}x{n}"
+        assert torch.equal(wr, wf) and torch.equal(tr, tf), f"fused apply differs at {m}x{n}"
+        gg = torch.randn(m, n, device=dev).to(BF16)
+        dwr, dpr = g._grad_torch(gg, ref, tr, "gaussws", torch.float32)
+        dwk, dpk = g._grad_triton(gg, ker, tr, seed, "gaussws", torch.float32, False)
+        dwf, dpf = g._grad_triton(gg, None, tr, seed, "gaussws", torch.float32, True)
+        bound = 1e-5 * (tr * 1024).max().item() + 1e-6
+        assert torch.equal(dwr, dwk) and torch.equal(dwr, dwf)
+        assert (dpr - dpk).abs().max().item() <= bound and (dpr - dpf).abs().max().item() <= bound
+        qr = g._generate_torch(m, n, seed, "diffq")
+        qk = g._generate_triton(m, n, seed, "diffq")
+        assert torch.equal(qr, qk), "diffq noise differs"
+        a, _ = g._apply_torch(w, qr, pow2, "diffq", BF16)
+        b, _ = g._apply_triton(w, qk, pow2, seed, "diffq", BF16, False)
+        # the GPU may fuse w + R·s into one FMA: differences of one fp32 rounding of R·s plus one
+        # BF16 rounding of the result are allowed
+        rs = g._broadcast_tiles(tr * pow2, m, n) * qr.float().abs()
+        bound = a.float().abs() * 2.0 ** -7 + rs * 2.0 ** -23
+        assert ((a.float() - b.float()).abs() <= bound).all(), "diffq apply off by more than the FMA bound"
+        print(f"  {m}x{n}: diffq kernel == reference for {(a == b).float().mean().item():.4%} of elements")
+    print("GPU bit-exactness: packed R, w_hat, tile max (3-step and fused) == reference; grads ok; diffq ok")
+
+    m = n = 8192
+    r = g.unpack_noise(g._generate_triton(m, n, seed, "gaussws"), n)
+    counts = torch.bincount((r.flatten() + 2).long(), minlength=5)
+    probs = [g.NOISE_PROBS[k] for k in range(-2, 3)]
+    x = chi2(counts, probs)
+    print(f"chi-square eq.10, {m * n} GPU draws: {x:.2f} (dof 4, p = {chi2_sf(x, 4):.3g}); "
+          f"freqs {[round(c / (m * n), 6) for c in counts.tolist()]} vs {[round(p, 6) for p in probs]}")
+    rb = g.unpack_noise(g._generate_triton(m, n, seed, "bm"), n).flatten().clamp(-3, 3)
+    cb = torch.bincount((rb + 3).long(), minlength=7)
+    phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))
+    pb = [phi(-5)] + [phi(2 * k + 1) - phi(2 * k - 1) for k in range(-2, 3)] + [1 - phi(5)]
+    xb = chi2(cb, pb)
+    print(f"chi-square bm vs round(N/2), {m * n} draws: {xb:.2f} (dof 6, p = {chi2_sf(xb, 6):.3g})")
+
+
+
+def _noise_inputs(m, n):
+    w = torch.randn(m, n, device="cuda")
+    bt = 3 + 5 * torch.rand(g.tile_grid(m, n), device="cuda")
+    return w, bt, torch.exp2(1 - bt), torch.tensor([12345, 6], device="cuda")
+
+
+def bench_noise():
+    """Paper A Figure 6: eq. 3 forward (generate + apply) at several shapes, vs torch and bm."""
+    bw = copy_bandwidth()
+    fused_cfg = (g.CONFIG["fused_bt"], g.CONFIG["fused_warps"])
+    print(f"\ncopy bandwidth (read+write): {bw / 1e12:.3f} TB/s; floor = numel * 7 B / that")
+    hdr = (f"{'shape':>12s} {'eager':>8s} {'compiled':>8s} {'bm':>8s} {'ours':>8s} {'fused':>8s} {'diffq':>8s} "
+           f"{'floor':>8s} {'ours_g':>8s} {'fused_g':>8s} {'comp_g':>8s} {'bwd':>8s} {'bwd_f':>8s} "
+           f"{'gen':>8s} {'apply':>8s} {'bm_g':>8s} {'eag/ours':>8s} {'eag/fused':>9s} {'comp/ours':>9s} {'comp/fus':>8s} {'floor%':>6s} {'floor%f':>7s}")
+    print("times in microseconds (median); *_g = CUDA-graph replay (GPU time only)")
+    print(hdr)
+    out = []
+    comp = torch.compile(torch_eq3, dynamic=False)
+    fbt, fnw = fused_cfg
+    for m, n in SHAPES:
+        w, bt, pow2, seed = _noise_inputs(m, n)
+        gg = torch.randn(m, n, device="cuda").to(BF16)
+        tmax = g.tile_max(w)
+        ours = lambda: g._apply_triton(w, g._generate_triton(m, n, seed, "gaussws"), pow2, seed, "gaussws", BF16, False)
+        fused = lambda: g._apply_triton(w, None, pow2, seed, "gaussws", BF16, True, fbt, fnw)
+        bm = lambda: g._apply_triton(w, g._generate_triton(m, n, seed, "bm"), pow2, seed, "gaussws", BF16, False)
+        dq = lambda: g._apply_triton(w, g._generate_triton(m, n, seed, "diffq"), pow2, seed, "diffq", BF16, False)
+        bwd = lambda: g._grad_triton(gg, g._generate_triton(m, n, seed, "gaussws"), tmax, seed, "gaussws", torch.float32, False)
+        bwdf = lambda: g._grad_triton(gg, None, tmax, seed, "gaussws", torch.float32, True, fbt, fnw)
+        packed = g._generate_triton(m, n, seed, "gaussws")
+        comp(w, bt)  # compile outside the timing
+        r = dict(shape=f"{m}x{n}", eager=_time(lambda: torch_eq3(w, bt)), compiled=_time(lambda: comp(w, bt)),
+                 bm=_time(bm), ours=_time(ours), fused=_time(fused), diffq=_time(dq),
+                 floor=m * n * 7 / bw * 1e3, ours_g=_time(ours, True), fused_g=_time(fused, True),
+                 comp_g=_time(lambda: comp(w, bt), True), bwd=_time(bwd), bwd_f=_time(bwdf),
+                 gen=_time(lambda: g._generate_triton(m, n, seed, "gaussws")), bm_g=_time(bm, True),
+                 apply=_time(lambda: g._apply_triton(w, packed, pow2, seed, "gaussws", BF16, False)))
+        out.append(r)
+        us = lambda k: f"{r[k] * 1e3:8.1f}"
+        print(f"{r['shape']:>12s} " + " ".join(us(k) for k in ("eager", "compiled", "bm", "ours", "fused", "diffq", "floor",
+                                                             "ours_g", "fused_g", "comp_g", "bwd", "bwd_f", "gen", "apply", "bm_g"))
+              + f" {r['eager'] / r['ours']:8.2f} {r['eager'] / r['fused']:9.2f} {r['compiled'] / r['ours']:9.2f}"
+              + f" {r['compiled'] / r['fused']:8.2f} {100 * r['floor'] / r['ours']:6.1f}"
+              + f" {100 * r['floor'] / r['fused']:7.1f}")
+        del w, gg
+        torch.cuda.empty_cache()
+    return out
+
+
 def save(section, result):
     os.makedirs("results", exist_ok=True)
     gpu = torch.cuda.get_device_name().replace(" ", "-")
@@ -179,6 +324,9 @@ def main():
     if args.only in (None, "optim"):
         res = dict(check=check_optim_gpu(), **bench_optim(args.quick))
         save("optim", res)
+    if args.only in (None, "noise"):
+        check_noise_gpu()
+        save("noise", dict(rows=bench_noise()))
 
 
 if __name__ == "__main__":
