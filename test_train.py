@@ -22,6 +22,16 @@ import train  # noqa: E402
 from model import GPT, PRESETS, preset_config  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The nano models are launch-bound: one intra-op thread is as fast as two and does not
+    collapse when another process holds the second core (OpenMP threads spin-waiting)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A ~100 kB real-text file (argparse's source) and a data folder for prepared datasets."""
@@ -375,7 +385,7 @@ def test_ddp_two_processes_match_one_process_with_accumulation(corpus, tmp_path)
     one = tmp_path / "one"
     two = tmp_path / "two"
     train.main([a if a != str(tmp_path / "x") else str(one) for a in common])
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # two processes on two cores
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
            *[a if a != str(tmp_path / "x") else str(two) for a in common]]

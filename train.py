@@ -40,7 +40,7 @@ DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "ti
               "llama-1b": 3e-4, "llama-3b": 1.5e-4, "llama-70b-4l": 1e-4}
 # Run settings that may differ between a checkpoint and the run resuming it (they do not change
 # what is trained); every other setting must match.
-RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "eval_interval", "eval_windows", "device",
+RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "compile_mode", "eval_interval", "eval_windows", "device",
                "data_dir", "plot", "max_tokens"}
 
 
@@ -107,6 +107,9 @@ def build_parser():
                    help="fixed validation windows of block_size tokens; 0 = no eval; auto: 64 CPU, 256 CUDA")
     g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
                    help="torch.compile the model; default: on for CUDA, off on CPU")
+    g.add_argument("--compile_mode", default="default",
+                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                   help="torch.compile mode; reduce-overhead replays CUDA graphs (less CPU launch time)")
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="autocast dtype; auto: bfloat16 on CUDA (FP32 master weights), float32 on CPU")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -435,7 +438,10 @@ def train(args, ddp, rank, world, device, device_type):
     # ---- data (rank 0 prepares, the others wait)
     folder = None
     if master:
-        folder = datamod.prepare(args.dataset, args.tokenizer, data_dir=args.data_dir, max_tokens=args.max_tokens)
+        try:
+            folder = datamod.prepare(args.dataset, args.tokenizer, data_dir=args.data_dir, max_tokens=args.max_tokens)
+        except (RuntimeError, ValueError, OSError) as e:  # offline download, empty corpus, ...
+            raise RunError(str(e)) from None
     if ddp:
         import torch.distributed as dist
         obj = [folder if master else None]
@@ -498,7 +504,8 @@ def train(args, ddp, rank, world, device, device_type):
 
     raw_model = model
     if args.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=args.compile_mode)
+    graphs = args.compile and "reduce-overhead" in args.compile_mode
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         # buffers (GaussWS seed state) advance identically on every rank: no broadcast needed
@@ -559,9 +566,12 @@ def train(args, ddp, rank, world, device, device_type):
         nonlocal pending
         if pending is None:
             return
-        it, loss_t, norm_t, bt_t, lr = pending
+        it, stats, event, lr = pending
         pending = None
-        loss, gnorm = loss_t.item(), norm_t.item()
+        if event is not None:
+            event.synchronize()   # waits for this step's numbers only, not for the step queued after it
+        vals = stats.tolist()
+        loss, gnorm = vals[0], vals[1]
         now = time.time()
         dt, state["t_ref"] = now - state["t_ref"], now
         if not (math.isfinite(loss) and math.isfinite(gnorm)):
@@ -576,8 +586,8 @@ def train(args, ddp, rank, world, device, device_type):
         rec = {"type": "step", "iter": it, "loss": loss, "lr": lr, "grad_norm": gnorm,
                "tokens_per_s": tokens_per_step / dt, "dt_ms": dt * 1000,
                "peak_mem_mb": peak_memory_mb(device_type)}
-        if bt_t is not None:
-            rec["b_t_mean"] = bt_t.item()
+        if bits_params:
+            rec["b_t_mean"] = vals[2]
         log(rec)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", lr=f"{lr:.2e}", refresh=False)
 
@@ -625,6 +635,8 @@ def train(args, ddp, rank, world, device, device_type):
                     y = y.pin_memory().to(device, non_blocking=True)
                 if ddp:  # all-reduce gradients only on the last micro-step (set before forward)
                     model.require_backward_grad_sync = micro == accum - 1
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 with ctx:
                     _, loss = model(x, y)
                     total = loss if penalty_fn is None else loss + args.bits_lambda * penalty_fn(raw_model)
@@ -638,12 +650,21 @@ def train(args, ddp, rank, world, device, device_type):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             bt = mean_bt(bits_params, args.b_init, args.b_target)
+            stats = torch.stack([loss_sum / (accum * world), gnorm.float(),
+                                 bt if bt is not None else torch.zeros((), device=device)])
             if device_type != "cuda":
-                pending = (it, loss_sum / (accum * world), gnorm, bt, lr)
+                pending = (it, stats, None, lr)
                 flush()
             else:
-                flush()  # previous step; this step's numbers are read after the next step is queued
-                pending = (it, loss_sum / (accum * world), gnorm, bt, lr)
+                # copy the numbers to pinned memory without blocking and read them after the next
+                # step is queued: a plain .item() would wait for everything queued so far and
+                # leave the GPU idle while the CPU prepares the next step
+                host = torch.empty(3, dtype=torch.float32, pin_memory=True)
+                host.copy_(stats, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                flush()
+                pending = (it, host, event, lr)
             it += 1
             bar.update(1)
     finally:
