@@ -5,6 +5,8 @@ launch overhead included) measured in the same run as its baselines, reported as
     python bench.py                 # everything
     python bench.py --only optim    # 4-bit AdamW step (paper B) vs torch AdamW, bandwidth floor
     python bench.py --only noise    # GaussWS noise kernels (paper A, Figure 6)
+    python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
+    python bench.py --only train    # paper A Table 1: tokens/s, peak memory, overhead vs BF16
 
 Results are printed as a table and written to results/<gpu>_<date>_<section>.json.
 """
@@ -302,6 +304,145 @@ def bench_noise():
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# train: paper A Table 1 (tokens/s and peak memory of BF16 / GaussWS / DiffQ), and memory
+
+TABLE1 = [("llama-134m", 24), ("llama-1b", 8), ("llama-3b", 2), ("llama-70b-4l", 2)]  # x 2048 tokens
+
+
+def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="save"):
+    """Model (preset, PQT method on [all]), optimizer (train.py's) and one training step closure
+    on random tokens (throughput does not depend on the data)."""
+    import train as trainer
+    from model import GPT, preset_config
+    torch.manual_seed(0)
+    model = GPT(preset_config(preset, block_size=T)).to(device)
+    if method != "bf16":
+        g.apply_pqt(model, method=method, parts="all", memory=memory)
+    args = argparse.Namespace(optim=optim, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                              weight_decay=0.1, bits_wd=0.0, seed=0)
+    opt = trainer.build_optimizer(args, model, device.type)
+    fwd = torch.compile(model) if compile else model
+    V = model.config.vocab_size
+    x = torch.randint(0, V, (batch, T), device=device)
+    y = torch.randint(0, V, (batch, T), device=device)
+
+    def step(zero=True):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            _, loss = fwd(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if zero:
+            opt.zero_grad(set_to_none=True)
+        return loss
+    return model, opt, step
+
+
+def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gaussws", "diffq"),
+                steps=20, T=2048, device="cuda", compile=True):
+    """Paper A Table 1: median step time -> tokens/s and peak memory per (model, optimizer,
+    method), overhead vs BF16 and its geometric mean over models (paper: 3.14 % GaussWS,
+    22.34 % DiffQ with AdamW on an A100)."""
+    device = torch.device(device)
+    rows = []
+    for preset, batch in cases:
+        for optim in optims:
+            base = None
+            for method in methods:
+                model, opt, step = _train_setup(preset, method, optim, batch, T, device, compile)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                for _ in range(3):                           # compile and warm up
+                    step()
+                times = []
+                for _ in range(steps):
+                    if device.type == "cuda":
+                        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        t0.record()
+                        step()
+                        t1.record()
+                        t1.synchronize()
+                        times.append(t0.elapsed_time(t1))
+                    else:
+                        t = datetime.datetime.now()
+                        step()
+                        times.append((datetime.datetime.now() - t).total_seconds() * 1e3)
+                ms = sorted(times)[len(times) // 2]
+                tps = batch * T / (ms * 1e-3)
+                base = tps if method == "bf16" else base
+                peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else float("nan")
+                rows.append(dict(model=preset, params=model.num_params(), batch=batch, T=T, optim=optim,
+                                 method=method, step_ms=ms, tokens_per_s=tps, peak_GiB=peak,
+                                 overhead_pct=(100 * (1 - tps / base)) if base else None,
+                                 command=f"python bench.py --only train  # {preset} {method} {optim}"))
+                r = rows[-1]
+                print(f"{preset:14s} B={batch:<3d} {optim:6s} {method:8s} {ms:9.2f} ms {tps:12,.0f} tok/s "
+                      f"{peak:7.2f} GiB overhead {r['overhead_pct'] if r['overhead_pct'] is not None else 0:6.2f} %",
+                      flush=True)
+                del model, opt, step
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    geo = {}
+    for optim in optims:
+        for method in methods[1:]:
+            ov = [r["overhead_pct"] for r in rows if r["optim"] == optim and r["method"] == method]
+            if ov:
+                geo[f"{method}/{optim}"] = 100 * (1 - math.exp(sum(math.log(1 - o / 100) for o in ov) / len(ov)))
+    print("geometric-mean overhead vs bf16:", {k: round(v, 2) for k, v in geo.items()})
+    return dict(rows=rows, geomean_overhead_pct=geo)
+
+
+def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
+    """Bytes/param of the training state: weights, grads, optimizer states, and the BF16 copies of
+    the block linears' weights saved for backward (w_hat for GaussWS/DiffQ with memory="save";
+    under BF16 autocast plain training saves its cast weights just the same), measured on real
+    tensors after a step, beside the arithmetic 4 + 4 + {8 | 1.0625 on eligible tensors, 8 on
+    others} + 2 per block-linear param (0 for memory="recompute")."""
+    device = torch.device(device)
+    rows = []
+    for method, memory in (("bf16", "save"), ("gaussws", "save"), ("gaussws", "recompute"), ("diffq", "save")):
+        for optim in ("adamw", "zipsr"):
+            model, opt, step = _train_setup(preset, method, optim,
+                                            batch, T, device, compile=False, memory=memory)
+            step(zero=False)                                   # grads stay for the count
+            ps = [p for p in model.parameters()]
+            n = sum(p.numel() for p in ps)
+            # BF16 copies of the block linears' weights kept for backward: w_hat for GaussWS/DiffQ
+            # in "save" mode, autocast's cast for BF16 (F.linear saves the transposed view)
+            lins = [m for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
+            n_lin = sum(m.weight.numel() for m in lins)
+            shapes = {s for m in lins for s in (tuple(m.weight.shape), tuple(m.weight.shape)[::-1])}
+            saved = []
+
+            def pack(t):
+                if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
+                    saved.append(t.numel() * t.element_size())
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=True):
+                    model(torch.zeros(1, 8, dtype=torch.long, device=device),
+                          torch.zeros(1, 8, dtype=torch.long, device=device))
+            import train as trainer
+            measured = dict(weights=sum(p.numel() * p.element_size() for p in ps),
+                            grads=sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None),
+                            optimizer=trainer.optimizer_state_bytes(opt), bf16_weights_saved=sum(saved))
+            elig = sum(p.numel() for p in ps if p.numel() >= A.MIN_QUANT_NUMEL and p.numel() % 128 == 0)
+            state = 8 * n if optim == "adamw" else 1.0625 * elig + 8 * (n - elig)
+            arith = dict(weights=4 * n, grads=4 * n, optimizer=state,
+                         bf16_weights_saved=0 if method != "bf16" and memory == "recompute" else 2 * n_lin)
+            rows.append(dict(method=method, memory=memory, optim=optim, params=n,
+                             measured_B_per_param={k: v / n for k, v in measured.items()},
+                             arithmetic_B_per_param={k: v / n for k, v in arith.items()},
+                             total_measured=sum(measured.values()) / n, total_arithmetic=sum(arith.values()) / n))
+            r = rows[-1]
+            print(f"{method:8s} {memory:9s} {optim:6s} measured {r['total_measured']:6.3f} B/param "
+                  f"(arithmetic {r['total_arithmetic']:6.3f}): " +
+                  " ".join(f"{k} {v:.3f}" for k, v in r["measured_B_per_param"].items()), flush=True)
+            del model, opt, step
+    return dict(preset=preset, rows=rows)
+
+
 def save(section, result):
     os.makedirs("results", exist_ok=True)
     gpu = torch.cuda.get_device_name().replace(" ", "-")
@@ -315,7 +456,7 @@ def save(section, result):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "noise"], default=None,
+    ap.add_argument("--only", choices=["optim", "noise", "train", "memory"], default=None,
                     help="run one section (default: all)")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
     args = ap.parse_args()
@@ -327,6 +468,10 @@ def main():
     if args.only in (None, "noise"):
         check_noise_gpu()
         save("noise", dict(rows=bench_noise()))
+    if args.only in (None, "memory"):
+        save("memory", bench_memory())
+    if args.only in (None, "train"):
+        save("train", bench_train())
 
 
 if __name__ == "__main__":

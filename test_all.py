@@ -1617,3 +1617,29 @@ def test_ddp_two_processes_match_one_process_with_accumulation(corpus, tmp_path)
     v1 = [r["val_loss"] for r in read_log(one) if r["type"] == "eval"]
     v2 = [r["val_loss"] for r in read_log(two) if r["type"] == "eval"]
     assert np.allclose(v1, v2, atol=1e-4)
+
+
+# =============================================================================================
+# bench.py sections that also run on CPU (no timing is asserted)
+
+def test_bench_memory_matches_the_arithmetic():
+    import bench
+    res = bench.bench_memory(preset="nano", T=64, batch=2, device="cpu")
+    assert len(res["rows"]) == 8
+    for r in res["rows"]:
+        assert r["measured_B_per_param"] == pytest.approx(r["arithmetic_B_per_param"], rel=1e-12), r
+        assert r["measured_B_per_param"]["weights"] == 4.0 and r["measured_B_per_param"]["grads"] == 4.0
+    by = {(r["method"], r["memory"], r["optim"]): r for r in res["rows"]}
+    assert by[("bf16", "save", "adamw")]["measured_B_per_param"]["optimizer"] == 8.0
+    assert by[("gaussws", "recompute", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] == 0.0
+    assert by[("gaussws", "save", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] > 0.0
+
+
+def test_bench_train_runs_every_method_on_cpu():
+    import bench
+    res = bench.bench_train(cases=[("nano", 2)], optims=("adamw",), steps=1, T=64, device="cpu",
+                            compile=False)
+    assert [r["method"] for r in res["rows"]] == ["bf16", "gaussws", "diffq"]
+    assert res["rows"][0]["overhead_pct"] == 0.0
+    assert all(r["tokens_per_s"] > 0 for r in res["rows"])
+    assert set(res["geomean_overhead_pct"]) == {"gaussws/adamw", "diffq/adamw"}

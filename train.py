@@ -254,10 +254,12 @@ def build_optimizer(args, model, device_type):
 
 
 def optimizer_state_bytes(opt):
-    """Bytes held in optimizer state tensors (opt.state_nbytes() when the optimizer has it)."""
+    """Bytes held in optimizer state tensors (opt.state_nbytes() when the optimizer has it); the
+    scalar step counters are not counted, as in AdamW4bit.state_nbytes()."""
     if hasattr(opt, "state_nbytes"):
         return int(opt.state_nbytes())
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.dim() > 0)
 
 
 # ----------------------------------------------------------------------------- checkpoints
