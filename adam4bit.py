@@ -108,7 +108,12 @@ def unpack_nibbles(packed):
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(-1).long()
 
 
-def _check_quant_args(x, block_size, rule, coord, T):
+def _check_quant_args(x, block_size, rule, coord, T, bias_correction2=1.0):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a real floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not 0 < bias_correction2 <= 1:
+        raise ValueError(f"bias_correction2 = 1 - b2^t must be in (0, 1], got {bias_correction2}")
     if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
     if x.numel() % block_size:
@@ -139,13 +144,17 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     Raises ValueError on a bad block_size, rule, coord, codebook or a non-divisible numel.
     """
     T = get_codebook(codebook).to(x.device)
-    _check_quant_args(x, block_size, rule, coord, T)
+    _check_quant_args(x, block_size, rule, coord, T, bias_correction2)
     xb = x.detach().reshape(-1, block_size).float()
+    if coord == "update" and bool((xb < 0).any()):
+        raise ValueError("coord='update' rounds second moments: x must be nonnegative")
     s = xb.abs().amax(dim=1).clamp_min(1e-12)
     levels = s[:, None] * T[None, :]                            # decoded levels, (nb, K)
     if rule == "sr" and u is None:
         u = torch.rand(xb.shape, device=xb.device, generator=generator)
-    if u is not None:
+    if rule == "sr":
+        if u.numel() != xb.numel():
+            raise ValueError(f"u must have one uniform per element of x ({xb.numel()}), got {u.numel()}")
         u = u.reshape(xb.shape)
     sqrt_levels = sqrt_rn(s)[:, None] * sqrt_rn(T)[None, :] if coord == "update" else None
     codes = round_to_levels(xb, levels, rule, coord, bias_correction2, eps, u, sqrt_levels)
@@ -164,6 +173,10 @@ def dequantize_blockwise(packed, scales, codebook, block_size=128):
 
     packed: uint8 (N/2,); scales: float32 (N/block_size,). Raises ValueError on mismatched sizes.
     """
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
+    if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
     T = get_codebook(codebook).to(packed.device)
     if packed.numel() * 2 != scales.numel() * block_size:
         raise ValueError(f"packed ({packed.numel()} bytes) and scales ({scales.numel()}) do not "
@@ -190,6 +203,27 @@ V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
 IMPLS = ("auto", "torch", "triton")
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
 KERNEL_ELEMS, KERNEL_WARPS = 128, 1    # elements per Triton program, warps (best of a sweep on H200)
+
+
+def _check_hparams(h, where):
+    """ValueError/TypeError naming the hyperparameter, its value and the allowed range."""
+    lr, betas, eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{where}lr tensor must have one element, got shape {tuple(lr.shape)}")
+        lr = lr.item()
+    for name, v in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"{where}{name} must be a number, got {v!r}")
+    if not (0 <= lr < math.inf):
+        raise ValueError(f"{where}lr must be finite and >= 0, got {lr}")
+    if not (0 < eps < math.inf):
+        raise ValueError(f"{where}eps must be finite and > 0, got {eps}")
+    if not (0 <= wd < math.inf):
+        raise ValueError(f"{where}weight_decay must be finite and >= 0, got {wd}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
 
 
 def radial_bias(m, m_q):
@@ -241,31 +275,26 @@ class AdamW4bit(torch.optim.Optimizer):
 
     State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise.
-    Raises ValueError/TypeError for bad hyperparameters, unknown names, sparse gradients.
+    Raises ValueError/TypeError for bad hyperparameters (also in param groups), unknown names,
+    non-float parameters and mismatched state dicts; RuntimeError (as torch's AdamW) for sparse
+    gradients.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  preset="zipsr", block_size=128, impl="auto", seed=0, *, m_codebook=None,
                  m_rounding=None, v_codebook=None, v_rounding=None, eden=None,
                  lm_head_sr_after="preset"):
-        if not isinstance(lr, (float, int, torch.Tensor)) or isinstance(lr, bool):
-            raise TypeError(f"lr must be a float or a 0-d tensor, got {type(lr).__name__}")
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError(f"lr tensor must have one element, got shape {tuple(lr.shape)}")
-        if float(lr) < 0:
-            raise ValueError(f"lr must be >= 0, got {float(lr)}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps!r}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
-        if preset not in PRESETS:
+        _check_hparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "")
+        if not isinstance(preset, str) or preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
         if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
-        if impl not in IMPLS:
+        if not isinstance(impl, str) or impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise TypeError(f"seed must be a nonnegative int, got {seed!r}")
+        if eden is not None and not isinstance(eden, bool):
+            raise TypeError(f"eden must be True, False or None (the preset's), got {eden!r}")
         cfg = dict(PRESETS[preset])
         for k, v in dict(m_codebook=m_codebook, m_rounding=m_rounding, v_codebook=v_codebook,
                          v_rounding=v_rounding, eden=eden).items():
@@ -287,9 +316,11 @@ class AdamW4bit(torch.optim.Optimizer):
             if cfg["v_rounding"].startswith("update") and get_codebook(cfg["v_codebook"])[0] < 0:
                 raise ValueError(f"v_rounding={cfg['v_rounding']!r} needs a nonnegative v_codebook, "
                                  f"got {cfg['v_codebook']!r}")
+        if not quantized and cfg["eden"]:
+            raise ValueError("eden=True needs quantized moments; preset 'fp32' keeps FP32 states")
         sr_after = cfg["lm_head_sr_after"]
-        if sr_after is not None and not 0.0 <= float(sr_after) <= 1.0:
-            raise ValueError(f"lm_head_sr_after must be None or in [0, 1], got {sr_after!r}")
+        if sr_after is not None and not (isinstance(sr_after, (int, float)) and 0.0 <= sr_after <= 1.0):
+            raise ValueError(f"lm_head_sr_after must be None or a number in [0, 1], got {sr_after!r}")
         cfg.update(preset=preset, block_size=block_size)
         self.qcfg = cfg
         self.impl = impl
@@ -299,6 +330,17 @@ class AdamW4bit(torch.optim.Optimizer):
         self._codebooks, self._prog_tables = {}, {}     # per-device caches of the Triton path
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        """torch's add_param_group, then checks the group's hyperparameters (every group, also
+        those given to the constructor) and that its parameters are real floating tensors."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hparams(group, f"param group {len(self.param_groups) - 1}: ")
+        for p in group["params"]:
+            if not p.is_floating_point():
+                raise TypeError(f"AdamW4bit needs real floating-point parameters, got {p.dtype} "
+                                f"of shape {tuple(p.shape)}")
 
     # ---- trainer hooks ----------------------------------------------------------------------
     def mark_lm_head(self, param):
@@ -372,11 +414,16 @@ class AdamW4bit(torch.optim.Optimizer):
         if diff:
             raise ValueError("optimizer state was written with another configuration "
                              f"(saved, current): {diff}")
+        params = self._params()
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            st = state_dict["state"].get(pid, {})
+            if "exp_avg" in st and st["exp_avg"].numel() != (p.numel() // 2 if self.is_quantized(p) else p.numel()):
+                raise ValueError(f"optimizer state of parameter {pid} ({st['exp_avg'].numel()} exp_avg "
+                                 f"entries) does not fit the parameter of shape {tuple(p.shape)}")
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
         # torch casts every state tensor to the parameter's dtype (uint8 codes too): put back the
         # saved tensors with their own dtypes, on the parameter's device.
-        params = self._params()
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for pid, p in zip(saved_ids, params):
             for k, t in state_dict["state"].get(pid, {}).items():
                 if k != "step" and torch.is_tensor(t):

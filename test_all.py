@@ -476,6 +476,44 @@ def test_optimizer_bad_arguments():
         A.AdamW4bit(ps, lr="1e-3")
 
 
+def test_optimizer_checks_groups_params_and_state_shapes():
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    for kw in (dict(lr=float("nan")), dict(lr=float("inf")), dict(eps=float("inf")),
+               dict(weight_decay=float("nan")), dict(betas=0.9), dict(preset=["zipsr"]),
+               dict(lm_head_sr_after="x"), dict(preset="fp32", eden=True)):
+        with pytest.raises(ValueError):
+            A.AdamW4bit([p], **kw)
+    for kw in (dict(seed="abc"), dict(eden="yes"), dict(eps=None)):
+        with pytest.raises(TypeError):
+            A.AdamW4bit([p], **kw)
+    for group in ({"weight_decay": -1.0}, {"lr": float("nan")}, {"betas": (2, 3)}, {"lr": -5.0}):
+        with pytest.raises(ValueError, match="param group 0"):
+            A.AdamW4bit([dict(params=[p], **group)])
+    o = A.AdamW4bit([p])
+    with pytest.raises(ValueError, match="param group 1: weight_decay"):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "weight_decay": -1.0})
+    with pytest.raises(TypeError, match="floating-point"):
+        A.AdamW4bit([torch.zeros(4, dtype=torch.int64)])
+    p.grad = torch.randn_like(p)
+    o.step()
+    q = torch.nn.Parameter(torch.randn(32, 128))
+    with pytest.raises(ValueError, match="does not fit"):
+        A.AdamW4bit([q]).load_state_dict(o.state_dict())
+
+
+def test_quantizer_input_types():
+    with pytest.raises(TypeError, match="floating-point"):
+        A.quantize_blockwise(torch.arange(256), "nf4")
+    with pytest.raises(ValueError, match="bias_correction2"):
+        A.quantize_blockwise(torch.rand(256), "dyn4", coord="update", bias_correction2=0.0)
+    with pytest.raises(ValueError, match="nonnegative"):
+        A.quantize_blockwise(-torch.rand(256), "dyn4", coord="update")
+    with pytest.raises(ValueError, match="one uniform per element"):
+        A.quantize_blockwise(torch.randn(256), "nf4", rule="sr", u=torch.rand(10))
+    with pytest.raises(TypeError, match="uint8"):
+        A.dequantize_blockwise(torch.zeros(128), torch.ones(2), "nf4")
+
+
 def test_diagnostics():
     g = torch.Generator().manual_seed(6)
     m = torch.randn(4096, generator=g)
