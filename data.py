@@ -3,13 +3,17 @@ Tokenizers, one-time dataset preparation into data/<name>/{train,val}.bin, and b
 
 A prepared dataset is a folder with
     train.bin, val.bin   flat token ids, uint16 (uint32 when the vocabulary needs more than 16 bits)
-    meta.json            tokenizer, vocab_size, dtype, token counts, source (written last: its
-                         presence marks a finished preparation)
+    meta.json            tokenizer, vocab_size, dtype, token counts, source, and what identifies the
+                         preparation: max_tokens and the source files' count/bytes/newest mtime/names
+                         (written last: its presence marks a finished preparation)
+The folder name carries the tokenizer and the cap (data/<name>[-byte][-max<N>]); a cached folder
+whose meta.json disagrees with the request (other cap, edited source files) is prepared again.
 Sources (--dataset):
     stdlib       the Python standard library's own .py files (real text on every machine, no download)
     <path>       a local text file or folder (.txt .md .py, optionally .xz/.gz compressed); in a
-                 folder, files whose name starts with "val" form the validation split; a folder
-                 that already holds a prepared dataset (meta.json) is used as it is
+                 folder, files whose name starts with "val" form the validation split, otherwise
+                 (and for a single file) the last 10 % of the tokens do; a folder that already
+                 holds a prepared dataset (meta.json) is used as it is. Binary files are refused.
     shakespeare  tiny-shakespeare, downloaded once
     openwebtext, fineweb-edu, c4   streamed through HF `datasets` (needs the package and internet),
                  capped at --max_tokens
@@ -17,6 +21,7 @@ Batches are random windows read from a np.memmap (no memory growth on long runs)
 a fixed, evenly spaced set of windows so val loss does not depend on batch size, rank or run.
 """
 
+import codecs
 import gzip
 import json
 import lzma
@@ -97,15 +102,26 @@ def get_tokenizer(name="gpt2", verbose=True):
 # ----------------------------------------------------------------------------- reading text
 
 def read_text(path):
-    """Text of a .txt/.md/.py file, optionally .xz or .gz compressed (UTF-8, bad bytes replaced)."""
-    if path.endswith(".xz"):
-        f = lzma.open(path, "rt", encoding="utf-8", errors="replace")
-    elif path.endswith(".gz"):
-        f = gzip.open(path, "rt", encoding="utf-8", errors="replace")
-    else:
-        f = open(path, "r", encoding="utf-8", errors="replace")
-    with f:
-        return f.read().replace("\r\n", "\n")
+    """Text (str) of a UTF-8 file, optionally .xz or .gz compressed; CRLF and CR become LF.
+    Raises ValueError naming the file when it is not text: a NUL byte or invalid UTF-8 in its first
+    8 KB (what a binary file shows at once). Bad bytes further on are replaced, as in a
+    mostly-clean scraped corpus."""
+    opener = lzma.open if path.endswith(".xz") else gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (lzma.LZMAError, EOFError, gzip.BadGzipFile) as e:
+        raise ValueError(f"{path}: cannot decompress ({type(e).__name__}: {e})") from None
+    head = raw[:8192]
+    if b"\0" in head:
+        raise ValueError(f"{path}: not a text file (NUL byte at offset {head.index(0)}); "
+                         f"--dataset needs UTF-8 text (.txt .md .py, optionally .xz/.gz)")
+    try:  # final=False: a character cut at the 8 KB boundary is fine
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (invalid byte 0x{head[e.start]:02x} at offset {e.start}); "
+                         f"--dataset needs UTF-8 text (.txt .md .py, optionally .xz/.gz)") from None
+    return raw.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def is_text_file(path):
@@ -124,6 +140,16 @@ def list_files(root, skip_dirs=()):
     return out
 
 
+def source_signature(root, files):
+    """What identifies the source files in meta.json: count, total bytes, newest mtime and a hash
+    of their names relative to root, so an edited, added, removed or renamed file is noticed."""
+    st = [os.stat(f) for f in files]
+    names = "\n".join(os.path.relpath(f, root) for f in files)
+    return {"files": len(files), "bytes": sum(s.st_size for s in st),
+            "mtime": max((s.st_mtime for s in st), default=0.0),
+            "names_sha1": hashlib.sha1(names.encode()).hexdigest()[:12]}
+
+
 def stdlib_files():
     """The standard library's .py sources without tests, idlelib and site-packages (~11 MB)."""
     root = sysconfig.get_paths()["stdlib"]
@@ -133,15 +159,17 @@ def stdlib_files():
 
 # ----------------------------------------------------------------------------- preparation
 
-def dataset_name(dataset, tokenizer_name):
-    """Folder name under data/ for a dataset spec and tokenizer (byte data gets a '-byte' suffix)."""
+def dataset_name(dataset, tokenizer_name, max_tokens=None):
+    """Folder name under data/ for a dataset spec, tokenizer and token cap: byte data gets a
+    '-byte' suffix, capped data '-max<N>' (so a capped preparation is never taken for a full one)."""
     if dataset in KNOWN:
         base = dataset
     else:
         path = os.path.abspath(dataset)
         stem = os.path.basename(path.rstrip("/")).split(".")[0] or "text"
         base = f"{stem}-{hashlib.sha1(path.encode()).hexdigest()[:6]}"
-    return base if tokenizer_name == "gpt2" else f"{base}-{tokenizer_name}"
+    name = base if tokenizer_name == "gpt2" else f"{base}-{tokenizer_name}"
+    return name if max_tokens is None else f"{name}-max{max_tokens}"
 
 
 def check_dataset_arg(dataset):
@@ -263,38 +291,59 @@ def _split_tail(ids, frac=0.1):
 
 
 def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, verbose=True):
-    """Prepare a dataset once and return its folder (data_dir/<name>).
+    """Prepare a dataset once and return its folder (data_dir/<name>, see dataset_name).
 
     dataset: "stdlib", "shakespeare", "openwebtext", "fineweb-edu", "c4", or a local file/folder.
     tokenizer: "gpt2" or "byte" (gpt2 falls back to byte when tiktoken cannot load).
-    max_tokens: cap on total tokens (remote datasets default to 100M; local inputs are not capped
-    unless given). Re-running with a finished folder (meta.json present) does nothing.
-    Raises ValueError for an unknown name or missing path, RuntimeError when a download fails or a
-    split ends up empty."""
+    max_tokens: cap on training tokens, a positive int (remote datasets default to 100M; local
+    inputs are not capped unless given). A finished folder (meta.json present) whose meta.json
+    matches the request (tokenizer, cap, source files' count/bytes/mtime/names) is reused; one that
+    does not is prepared again, with a message. A given prepared folder is used as it is.
+    Raises ValueError for an unknown name, a missing path, a bad max_tokens, a binary source file or
+    a prepared folder with another cap; RuntimeError when a download fails or a split is empty."""
     check_dataset_arg(dataset)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
+        raise ValueError(f"--max_tokens {max_tokens!r}: must be a positive integer (omit it for no cap)")
     if os.path.isfile(os.path.join(dataset, "meta.json")):   # an already prepared folder
         meta = load_meta(dataset)
+        if max_tokens is not None and meta.get("max_tokens") != max_tokens:
+            raise ValueError(f"--max_tokens {max_tokens}: {dataset} is a prepared folder (cap "
+                             f"{meta.get('max_tokens')}) used as it is; drop --max_tokens or prepare from the source")
         if meta["tokenizer"] != tokenizer and verbose:
             print(f"[data] {dataset} was prepared with the {meta['tokenizer']} tokenizer; using it as it is")
         return dataset
     tok = get_tokenizer(tokenizer, verbose=verbose)
-    data_dir = data_dir or DATA_DIR
-    out = os.path.join(data_dir, dataset_name(dataset, tok.name))
-    if os.path.exists(os.path.join(out, "meta.json")):
-        return out
+    if dataset in REMOTE:
+        max_tokens = max_tokens or 100_000_000
+    files = None
     if dataset == "stdlib":
         root, files = stdlib_files()
+    elif dataset not in KNOWN:
+        root, files = dataset, list_files(dataset, skip_dirs={"__pycache__"})
+        if not files:
+            raise ValueError(f"--dataset {dataset!r}: no {'/'.join(TEXT_EXT)} files (optionally .xz/.gz) found")
+    want = {"tokenizer": tok.name, "max_tokens": max_tokens,
+            "source_files": source_signature(root, files) if files else None}
+    out = os.path.join(data_dir or DATA_DIR, dataset_name(dataset, tok.name, max_tokens))
+    if os.path.exists(os.path.join(out, "meta.json")):
+        meta = load_meta(out)
+        diff = [k for k in want if meta.get(k) != want[k]]
+        if not diff:
+            return out
+        if verbose:
+            why = "; ".join(f"{k} {meta.get(k)!r}, now {want[k]!r}" if k != "source_files"
+                            else "its source files changed" if meta.get(k) else "it records no source files"
+                            for k in diff)
+            print(f"[data] {out} does not match this request ({why}): preparing it again")
+        os.remove(os.path.join(out, "meta.json"))  # unfinished until the new meta.json is written
+    if dataset == "stdlib":
         train_docs, val_docs, source = [read_text(f) for f in files], [], f"python stdlib {root} ({len(files)} files)"
     elif dataset == "shakespeare":
         train_docs, val_docs, source = [_download_shakespeare()], [], SHAKESPEARE_URL
     elif dataset in REMOTE:
-        max_tokens = max_tokens or 100_000_000
         train_docs, val_docs = _remote_docs(dataset, max_tokens, tok)
         source = f"HF datasets {dataset} (streamed, ~{max_tokens} tokens)"
     else:
-        files = list_files(dataset, skip_dirs={"__pycache__"})
-        if not files:
-            raise ValueError(f"--dataset {dataset!r}: no {'/'.join(TEXT_EXT)} files (optionally .xz/.gz) found")
         is_val = [os.path.basename(f).lower().startswith("val") for f in files]
         train_docs = [read_text(f) for f, v in zip(files, is_val) if not v]
         val_docs = [read_text(f) for f, v in zip(files, is_val) if v]
@@ -303,6 +352,9 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
     val = tokenize_docs(val_docs, tok, desc="tokenizing val") if val_docs else None
     if val is None:
         train, val = _split_tail(train)
+        if verbose:
+            print(f"[data] {dataset} has no validation file (a file named val* in a folder): the last "
+                  f"10 % of its tokens ({len(val):,}) are the validation split")
     if max_tokens and len(train) > max_tokens:
         train = train[:max_tokens]
     if len(train) < 2 or len(val) < 2:
@@ -315,7 +367,7 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
         os.replace(tmp, os.path.join(out, f"{split}.bin"))
     meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
             "train_tokens": int(len(train)), "val_tokens": int(len(val)), "source": source,
-            "dataset": dataset}
+            "dataset": dataset, "val_split": "val* files" if val_docs else "last 10 %", **want}
     tmp = os.path.join(out, "meta.json.tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)

@@ -41,7 +41,7 @@ DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "ti
 # Run settings that may differ between a checkpoint and the run resuming it (they do not change
 # what is trained); every other setting must match.
 RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "compile_mode", "eval_interval", "eval_windows", "device",
-               "data_dir", "plot", "max_tokens"}
+               "data_dir", "plot"}
 
 
 class RunError(Exception):
@@ -62,11 +62,14 @@ def build_parser():
     g.add_argument("--preset", default="auto", choices=("auto",) + tuple(PRESETS),
                    help="model shape; auto: tiny on CPU, gpt2-124m on CUDA")
     g.add_argument("--dataset", default="stdlib",
-                   help="stdlib | shakespeare | openwebtext | fineweb-edu | c4 | a local text file or folder | a prepared data folder (meta.json)")
+                   help="stdlib | shakespeare | openwebtext | fineweb-edu | c4 | a local UTF-8 text file or folder "
+                        "| a prepared data folder (meta.json). Validation split: a folder's files named val*, "
+                        "otherwise the last 10%% of the tokens")
     g.add_argument("--tokenizer", default="auto", choices=("auto", "gpt2", "byte"),
                    help="auto: gpt2 on CUDA, byte on CPU (a 50k-vocab LM head and softmax dominate a CPU step)")
     g.add_argument("--data_dir", default=datamod.DATA_DIR, help="where prepared datasets live")
-    g.add_argument("--max_tokens", type=int, default=None, help="cap on tokens when preparing a dataset")
+    g.add_argument("--max_tokens", type=int, default=None,
+                   help="cap on training tokens when preparing a dataset (prepared as data/<name>-max<N>)")
     g.add_argument("--block_size", type=int, default=None, help="context length; default: the preset's")
     g = p.add_argument_group("pseudo-quantization training (paper A)")
     g.add_argument("--method", default="bf16", choices=METHODS, help="bf16 = no PQT")
@@ -97,14 +100,15 @@ def build_parser():
                    help="micro-batches per step summed over all GPUs (must divide by the GPU count)")
     g.add_argument("--max_iters", type=int, default=None, help="optimizer steps; auto: 300 on CPU, 5000 on CUDA")
     g.add_argument("--tokens_per_param", type=float, default=None,
-                   help="set max_iters so that tokens = this x parameters (papers: 20)")
+                   help="set max_iters so that tokens = this x parameters (papers: 20); excludes --max_iters")
     g.add_argument("--stop_after", type=int, default=None,
                    help="stop (with a checkpoint) after this many steps, keeping the --max_iters schedule; "
                         "continue later with --resume")
     g = p.add_argument_group("evaluation, logging, system")
     g.add_argument("--eval_interval", type=int, default=None, help="steps between evals; auto: 50 CPU, 250 CUDA")
     g.add_argument("--eval_windows", "--eval_iters", type=int, default=None, dest="eval_windows",
-                   help="fixed validation windows of block_size tokens; 0 = no eval; auto: 64 CPU, 256 CUDA")
+                   help="fixed validation windows of block_size tokens, at most as many as fit in the val "
+                        "split without overlap; 0 = no eval; auto: 64 CPU, 256 CUDA (capped to what fits)")
     g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
                    help="torch.compile the model; default: on for CUDA, off on CPU")
     g.add_argument("--compile_mode", default="default",
@@ -122,8 +126,25 @@ def build_parser():
     return p
 
 
+def check_range(parser, name, value, lo=-math.inf, hi=math.inf, lo_in=True, hi_in=True):
+    """parser.error (one line, exit 2) unless value is None or finite and within lo..hi
+    (bounds included unless lo_in/hi_in is False)."""
+    if value is None:
+        return
+    if math.isfinite(value) and (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi):
+        return
+    if hi == math.inf:
+        allowed = f"{'>=' if lo_in else '>'} {lo:g}"
+    else:
+        allowed = f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+    kind = "an integer" if isinstance(value, int) else "a finite number"
+    parser.error(f"--{name} {value:g}: must be {kind} {allowed}")
+
+
 def resolve_args(args, parser, cuda):
-    """Fill 'auto' defaults for the device and check flag combinations (parser.error on a bad one)."""
+    """Fill 'auto' defaults for the device and check every flag and flag combination, before any
+    data or model is built (parser.error, one line naming the flag, on a bad one). --eval_windows
+    'auto' stays None here: it is capped to the validation split once the data is known."""
     if args.preset == "auto":
         args.preset = "gpt2-124m" if cuda else "tiny"
     if args.tokenizer == "auto":
@@ -136,25 +157,34 @@ def resolve_args(args, parser, cuda):
         args.lr = DEFAULT_LR[args.preset]
     if args.eval_interval is None:
         args.eval_interval = 250 if cuda else 50
-    if args.eval_windows is None:
-        args.eval_windows = 256 if cuda else 64
     if args.block_size is None:
         args.block_size = PRESETS[args.preset]["block_size"]
-    for name in ("batch_size", "grad_accum", "block_size", "eval_interval"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}: must be a positive integer")
-    for name in ("max_iters", "stop_after"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}: must be a positive integer")
-    if args.eval_windows < 0:
-        parser.error(f"--eval_windows {args.eval_windows}: must be >= 0")
+    if args.tokens_per_param is not None and args.max_iters is not None:
+        parser.error(f"--tokens_per_param {args.tokens_per_param:g} and --max_iters {args.max_iters}: "
+                     f"give one of them (tokens_per_param sets max_iters from the parameter count)")
+    if args.tokens_per_param is None and args.max_iters is None:
+        args.max_iters = 5000 if cuda else 300
+    for name in ("batch_size", "grad_accum", "block_size", "eval_interval", "max_iters", "stop_after", "max_tokens"):
+        check_range(parser, name, getattr(args, name), lo=1)
+    for name in ("eval_windows", "seed"):
+        check_range(parser, name, getattr(args, name), lo=0)
+    if args.max_iters is not None and args.stop_after is not None and args.stop_after > args.max_iters:
+        parser.error(f"--stop_after {args.stop_after}: must be <= --max_iters {args.max_iters}")
+    for name in ("lr", "eps", "tokens_per_param"):
+        check_range(parser, name, getattr(args, name), lo=0, lo_in=False)
+    for name in ("weight_decay", "bits_wd", "bits_lambda", "grad_clip"):  # grad_clip 0 = off
+        check_range(parser, name, getattr(args, name), lo=0)
+    for name in ("beta1", "beta2"):
+        check_range(parser, name, getattr(args, name), lo=0, hi=1, hi_in=False)
+    for name in ("warmup_frac", "cooldown_frac", "min_lr_frac"):
+        check_range(parser, name, getattr(args, name), lo=0, hi=1)
+    if args.warmup_frac + args.cooldown_frac > 1:
+        parser.error(f"--warmup_frac {args.warmup_frac:g} + --cooldown_frac {args.cooldown_frac:g} > 1: "
+                     f"warmup and cooldown must fit in the run")
+    for name in ("b_init", "b_target"):  # GaussWSLinear's range
+        check_range(parser, name, getattr(args, name), lo=0, hi=24, lo_in=False, hi_in=False)
     if args.b_target > args.b_init:
         parser.error(f"--b_target {args.b_target} > --b_init {args.b_init}: need b_target <= b_init (eq. 12)")
-    if not (0 <= args.warmup_frac < 1 and 0 <= args.cooldown_frac < 1 and args.warmup_frac + args.cooldown_frac <= 1):
-        parser.error(f"--warmup_frac {args.warmup_frac} / --cooldown_frac {args.cooldown_frac}: "
-                     f"need each in [0, 1) and their sum <= 1")
-    if args.lr <= 0:
-        parser.error(f"--lr {args.lr}: must be > 0")
     allowed = preset_config(args.preset).parts
     if args.parts not in ("all", "od"):
         bad = [x for x in args.parts.split(",") if x not in allowed]
@@ -283,11 +313,28 @@ def load_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise RunError(f"--resume: checkpoint {path} cannot be read (corrupt or truncated?): "
-                       f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+        # one line: the reason, without PyTorch's advice on weights_only=False (never for a checkpoint
+        # we did not write: unpickling runs code)
+        msg = str(e)
+        if "WeightsUnpickler error:" in msg:
+            detail = msg.split("WeightsUnpickler error:")[1].split(". ")[0].strip()
+            reason = f"it holds objects a weights-only load refuses: {detail}"
+        elif os.path.getsize(path) == 0:
+            reason = "the file is empty"
+        else:
+            reason = f"{type(e).__name__}: {(msg.splitlines() or [''])[0].split('. ')[0][:200]}"
+        raise RunError(f"--resume: checkpoint {path} cannot be read (corrupt or truncated?): {reason}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise RunError(f"--resume: {path} is not a train.py checkpoint (format {CKPT_FORMAT})")
     return ckpt
+
+
+def read_log(path):
+    """Records of a log.jsonl (list of dicts; [] when the file is missing)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def run_config(args):
@@ -458,6 +505,14 @@ def train(args, ddp, rank, world, device, device_type):
         raise RunError(f"--batch_size {args.batch_size} x --block_size {args.block_size} = "
                        f"{args.batch_size * args.block_size} tokens per micro-batch is more than the "
                        f"{batches.n['train']} training tokens in {folder}; use a smaller --batch_size")
+    fit = (batches.n["val"] - 1) // args.block_size  # validation windows that do not overlap
+    if args.eval_windows is None:
+        args.eval_windows = min(256 if device_type == "cuda" else 64, fit)
+        if args.eval_windows < (256 if device_type == "cuda" else 64):
+            say(f"eval on {fit} windows: all that fit in the val split of {folder} without overlap")
+    elif args.eval_windows > fit:
+        raise RunError(f"--eval_windows {args.eval_windows}: the val split of {folder} holds at most {fit} "
+                       f"non-overlapping windows of {args.block_size} tokens; use --eval_windows <= {fit}")
 
     # ---- model
     vocab = meta["vocab_size"] if meta["vocab_size"] <= 256 else -(-meta["vocab_size"] // 64) * 64
@@ -473,14 +528,25 @@ def train(args, ddp, rank, world, device, device_type):
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum
     if args.tokens_per_param is not None:
         args.max_iters = max(1, math.ceil(args.tokens_per_param * n_params / tokens_per_step))
-    elif args.max_iters is None:
-        args.max_iters = 5000 if device_type == "cuda" else 300
+        if args.stop_after is not None and args.stop_after > args.max_iters:
+            raise RunError(f"--stop_after {args.stop_after}: must be <= max_iters {args.max_iters} "
+                           f"(from --tokens_per_param {args.tokens_per_param:g})")
+    end_iter = min(args.max_iters, args.stop_after) if args.stop_after else args.max_iters
+    log_path = os.path.join(args.out_dir, "log.jsonl")
     if ckpt is not None:  # after max_iters is known: it is part of the configuration
         check_resume_config(ckpt["config"], run_config(args), resume_path)
+        if ckpt["iter_num"] >= end_iter:  # nothing left to do: keep the log and its summary as they are
+            done = ckpt["iter_num"] >= args.max_iters
+            say(f"--resume: {resume_path} is at step {ckpt['iter_num']} of {args.max_iters}, "
+                + ("the run is finished" if done else f"already at --stop_after {args.stop_after}")
+                + f"; nothing to do ({log_path} is left as it is). "
+                + ("Use a new --out_dir to train again." if done else "Raise or drop --stop_after to go on."))
+            return next((r for r in reversed(read_log(log_path)) if r.get("type") == "summary"), None)
 
     say(f"device {device} x{world}, dtype {args.dtype}, compile {args.compile}")
-    say(f"data {folder}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens, "
-        f"tokenizer {meta['tokenizer']} ({meta['source']})")
+    say(f"data {folder}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"
+        + (f" (capped at {meta['max_tokens']:,})" if meta.get("max_tokens") else "")
+        + f", tokenizer {meta['tokenizer']} ({meta['source']})")
     note = ""
     if args.preset.startswith("llama"):
         note = " (the papers count Llama sizes with a 32000-token vocabulary; this vocabulary changes the count)"
@@ -521,15 +587,11 @@ def train(args, ddp, rank, world, device, device_type):
         from gaussws import bitwidth_penalty
         penalty_fn = bitwidth_penalty
 
-    log_path = os.path.join(args.out_dir, "log.jsonl")
-    logf = None
+    logf, kept = None, []
     if master:
         os.makedirs(args.out_dir, exist_ok=True)
-        kept = []
-        if args.resume and os.path.exists(log_path):  # drop records past the checkpoint (a crashed tail)
-            with open(log_path) as f:
-                recs = [json.loads(line) for line in f if line.strip()]
-            kept = [r for r in recs if (r.get("type") == "step" and r["iter"] < start_iter)
+        if args.resume:  # drop records past the checkpoint (a crashed tail) and the old summary
+            kept = [r for r in read_log(log_path) if (r.get("type") == "step" and r["iter"] < start_iter)
                     or (r.get("type") == "eval" and r["iter"] <= start_iter)]
         logf = open(log_path, "w")
         for r in kept:
@@ -556,9 +618,9 @@ def train(args, ddp, rank, world, device, device_type):
     from tqdm import tqdm
     bar = tqdm(total=args.max_iters, initial=start_iter, disable=not master, dynamic_ncols=True,
                mininterval=0.5, desc="train")
-    end_iter = min(args.max_iters, args.stop_after) if args.stop_after else args.max_iters
     pending, step_times, recent_losses = None, [], []
-    first_val = last_val = None
+    old = [r["val_loss"] for r in kept if r.get("type") == "eval"]  # a resumed run's earlier evals
+    first_val, last_val = (old[0], old[-1]) if old else (None, None)
     state = {"t_ref": time.time(), "last_ckpt": start_iter if args.resume else None}
     t_start = time.time()
 
@@ -687,7 +749,8 @@ def train(args, ddp, rank, world, device, device_type):
         summary["b_t_mean"] = mean_bt(bits_params, args.b_init, args.b_target).item()
     log(summary)
     if master:
-        say(f"done: {it - start_iter} steps in {elapsed:.1f}s, "
+        say(f"done: {it - start_iter} steps" + (f" (resumed at step {start_iter})" if start_iter else "")
+            + f" in {elapsed:.1f}s, "
             + (f"{summary['tokens_per_s']:,.0f} tokens/s (median), " if summary["tokens_per_s"] else "")
             + (f"val loss {first_val:.4f} -> {last_val:.4f}, " if first_val is not None and last_val is not None else "")
             + f"peak memory {summary['peak_mem_mb']:,.0f} MB, optimizer state {summary['optimizer_state_mb']:.2f} MB"
