@@ -1,20 +1,24 @@
 """
-Gaussian weight sampling (GaussWS) for pseudo-quantization training (PQT) — paper A in SPEC.md.
+Gaussian weight sampling (GaussWS) for pseudo-quantization training (PQT) — paper A (Ahn & Yoo 2025,
+arXiv:2505.11170); equation and section numbers below are the paper's.
 
 A linear layer samples its weight at every training call (eq. 3):
 
     w_hat = w + R ⊙ broadcast_32( max_32(|w|) · 2^(1 − b_t) )
 
-with square 32×32 tiles, a learnable per-tile bitwidth b_t = b_target + b_i·(b_init − b_target)
-(eq. 12, b_i initialised to 1) and noise R ≈ round(N(0,1)/2) in {−2..2} made from random bits with
-AND/OR only (eq. 10). Gradients follow eq. 4 (∂max/∂w ≈ 0):
+with square 32×32 tiles (b_l = 32: eq. 3, §3.6), a learnable per-tile bitwidth
+b_t = b_target + b_i·(b_init − b_target) (eq. 11, §3.6, b_i initialised to 1; b_target <= b_init;
+sampling clamps b_t to [B_MIN, B_MAX] = [1, 24], see there) and noise R ≈ round(N(0,1)/2)
+in {−2..2} made from random bits with AND/OR only (eq. 10, §3.4). Gradients follow eq. 4
+(∂max/∂w ≈ 0):
 
     ∂L/∂w = ∂L/∂w_hat,    ∂L/∂b_t = −ln2 · max_32(|w|) · 2^(1−b_t) · sum_32(∂L/∂w_hat ⊙ R)
 
 Implementation, as in §3.5: three steps, not fused.
   (1) `generate_noise`: Philox4x32-10 (key = layer key, counter = (word index, call counter))
-      gives 4×32 random bits per packed word, 16 per element, through the recipe of SPEC
-      (sign = b0; |R|=2 iff (b1|b2)&b3&..&b10; else |R|=1 iff (b11|b12)&(b13|b14)&b15). Element j
+      gives 4×32 random bits per packed word, 16 per element, through our AND/OR recipe for the
+      law of eq. 10 (§3.4 gives the law and the AND/OR rules, not a bit assignment): sign = b0;
+      |R|=2 iff (b1|b2)&b3&..&b10; else |R|=1 iff (b11|b12)&(b13|b14)&b15. Element j
       takes its 16 bits from nibble j of the 4 words, so whole-word AND/OR/shift ops evaluate the
       recipe for all 8 elements at once and leave the result in the packed layout: sign-magnitude,
       4 bits per element, 8 per int32 (element j of a group in bits [4j, 4j+4)), shape
@@ -61,7 +65,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-TILE = 32  # b_l: square tile side (MX-style), SPEC "Sampling (eq. 3)"
+TILE = 32  # b_l of eq. 3: square tile side (MX-style block of §2.1; 32×32 units in §3.6)
 
 # eq. 10: exact law of R for method "gaussws"
 P2 = 0.75 * 2.0 ** -9                         # P(R=+2) = P(R=-2)
@@ -76,8 +80,19 @@ MEMORY_MODES = ("save", "recompute")
 GPT2_PARTS = ("qkv", "out", "up", "down")
 LLAMA_PARTS = ("q", "k", "v", "out", "gate", "up", "down")
 ALL_PARTS = tuple(dict.fromkeys(GPT2_PARTS + LLAMA_PARTS))
+W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # weight dtypes the kernels read
 
-# launch configuration: best of the sweep at 8192² on an H200 (bench_noise_draft.py, 2026-11-30)
+# Safe range of b_t. Sampling uses clamp(b_t, B_MIN, B_MAX); eq. 11 is exact inside the range and
+# b_init, b_target must lie in it. Below 1 bit the PQN step max_32|w|·2^(1−b_t) exceeds the tile
+# max (the noise swamps the weight), and far below it 2^(1−b_t) overflows to inf and 0·inf gives
+# NaN. Above 24 bits the step is below one float32 ulp of the tile max, far past any format of
+# Table C (FP16 e5m10 holds b_t <= 12) and of BF16 (§3.3: b_t < 9): more bits change nothing.
+# A clamped tile gets no ∂L/∂b_t (clamp's gradient is 0 outside the range, 1 inside and at the
+# ends), so the loss cannot push it further out; weight decay on b_i and `bitwidth_penalty`
+# (which see the unclamped eq. 11 value) still pull it back toward b_target, inside the range.
+B_MIN, B_MAX = 1.0, 24.0
+
+# launch configuration: best of the sweep at 8192² on an H200 (`python bench.py --only noise`, 2026-11-30)
 CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4, grad_warps=4,
               fused_bt=4, fused_warps=4)
 
@@ -99,13 +114,19 @@ def _check_choice(name, value, allowed):
         raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
 
 
+def _check_dtype(dtype, name):
+    if dtype not in W_DTYPES:
+        raise TypeError(f"{name} has dtype {dtype}; allowed: float32, bfloat16, float16")
+
+
 def _check_weight(w, name="w"):
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
     if w.dim() != 2:
         raise ValueError(f"{name} must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
-    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{name} has dtype {w.dtype}; allowed: float32, bfloat16, float16")
+    if w.numel() == 0:
+        raise ValueError(f"{name} has shape {tuple(w.shape)}: it must have at least one element")
+    _check_dtype(w.dtype, name)
     if w.numel() >= 2 ** 31:
         raise ValueError(f"{name} has {w.numel()} elements; at most 2**31 - 1 are supported")
 
@@ -121,14 +142,38 @@ def _check_tiles(t, w, name):
         raise TypeError(f"{name} must be a floating tensor, got dtype {t.dtype}")
 
 
+def _check_seed(seed, also=""):
+    """The one seed rule of every API: an int (not bool) in [0, 2**63) (an int64 Philox key)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int in [0, 2**63){also}, got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed={seed} must be an int in [0, 2**63)")
+    return seed
+
+
+def _check_bits(b_init, b_target):
+    """b_init, b_target: numbers (not bool) in [B_MIN, B_MAX] with b_target <= b_init (eq. 11:
+    b_t starts at b_init, b_i = 1, and weight decay on b_i moves it to b_target). Equal values are
+    allowed: b_t = b_target for every b_i (fixed-bitwidth PQT, b_i gets zero gradient)."""
+    for name, v in (("b_init", b_init), ("b_target", b_target)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not B_MIN <= v <= B_MAX:
+            raise ValueError(f"{name}={v!r} must be a number of bits in [{B_MIN:g}, {B_MAX:g}]")
+    if b_target > b_init:
+        raise ValueError(f"b_target={b_target!r} > b_init={b_init!r}: need b_target <= b_init (eq. 11: "
+                         "b_t = b_target + b_i·(b_init − b_target) starts at b_init, decays to b_target)")
+
+
+def _pow2(b_t):
+    """2^(1 − clamp(b_t, B_MIN, B_MAX)) in float32, contiguous (the PQN scale of eq. 3). Autograd:
+    d/d b_t = −ln2 · 2^(1−b_t) inside the range (eq. 4), 0 outside."""
+    return torch.exp2(1.0 - b_t.float().clamp(B_MIN, B_MAX)).contiguous()
+
+
 def _seed_tensor(seed, device):
     """int seed s -> int64 tensor [s, 0] (key s, call counter 0); an int64 tensor [key, counter]
     passes through (moved to `device`)."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, torch.Tensor)):
-        raise TypeError(f"seed must be an int or an int64 tensor [key, counter], got {type(seed).__name__}")
-    if isinstance(seed, int):
-        if not 0 <= seed < 2 ** 63:
-            raise ValueError(f"seed={seed} must be in [0, 2**63)")
+    if not isinstance(seed, torch.Tensor):
+        _check_seed(seed, also=" or an int64 tensor [key, counter]")
         return torch.tensor([seed, 0], dtype=torch.int64, device=device)
     if seed.dtype != torch.int64 or tuple(seed.shape) != (2,):
         raise ValueError(f"seed tensor must be int64 of shape (2,) = [key, counter], "
@@ -176,7 +221,7 @@ def _philox_words_torch(seed, idx):
 
 
 def _recipe_torch(r0, r1, r2, r3):
-    """SPEC recipe for 8 elements at once (SWAR over nibble lanes). Element j of a packed word
+    """Our eq. 10 recipe for 8 elements at once (SWAR over nibble lanes). Element j of a packed word
     takes its 16 random bits from nibble j (bits 4j..4j+3) of the 4 Philox words:
         sign = r0[4j]; is2 = (r0[4j+1] | r0[4j+2]) & AND(r1[4j..4j+3], r2[4j..4j+3]);
         is1 = (r3[4j] | r3[4j+1]) & (r3[4j+2] | r3[4j+3]) & r0[4j+3].
@@ -202,8 +247,9 @@ def bits_of_element(r0, r1, r2, r3, j):
 
 
 def noise_from_bits_reference(bits16):
-    """R of eq. 10 from one 16-bit integer per element, literally as written in SPEC (readable
-    per-bit version of `_recipe_torch`, used by tests). bits16: int tensor, values in [0, 2^16)."""
+    """R of eq. 10 from one 16-bit integer per element, bit by bit (sign = b0; |R| = 2 iff
+    (b1|b2)&b3&..&b10; else 1 iff (b11|b12)&(b13|b14)&b15): the readable per-bit version of
+    `_recipe_torch`, used by tests. bits16: int tensor, values in [0, 2^16)."""
     b = [(bits16 >> i) & 1 for i in range(16)]
     is2 = (b[1] | b[2]) & b[3] & b[4] & b[5] & b[6] & b[7] & b[8] & b[9] & b[10]
     is1 = (b[11] | b[12]) & (b[13] | b[14]) & b[15]
@@ -583,7 +629,7 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
     """Step (2), eq. 3 without autograd: returns (w_hat (m, n) in out_dtype, tilemax float32 tiles).
 
     w: (m, n) float32/bfloat16/float16 (non-contiguous is copied); noise: from `generate_noise`
-    with the same method; b_t: tile-grid tensor of bitwidths."""
+    with the same method; b_t: tile-grid tensor of bitwidths (clamped to [B_MIN, B_MAX])."""
     _check_choice("method", method, METHODS)
     _check_weight(w)
     _check_tiles(b_t, w, "b_t")
@@ -592,7 +638,7 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
     want = (m, -(-n // 8)) if method == "gaussws" else (m, n)
     if tuple(noise.shape) != want:
         raise ValueError(f"noise has shape {tuple(noise.shape)}; method={method!r} and w {tuple(w.shape)} need {want}")
-    pow2 = torch.exp2(1.0 - b_t.float()).contiguous()
+    pow2 = _pow2(b_t)
     if _resolve_impl(impl, w) == "torch":
         return _apply_torch(w, noise, pow2, method, out_dtype)
     return _apply_triton(w, noise.contiguous(), pow2, None, method, out_dtype, False)
@@ -660,12 +706,14 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     gradients of eq. 4 (∂L/∂w = ∂L/∂w_hat; ∂L/∂b_t = −ln2·max_32|w|·2^(1−b_t)·sum_32(∂L/∂w_hat ⊙ R),
     R regenerated from `seed` in backward).
 
-    w: (m, n) float32 (bf16/fp16 accepted); b_t: (ceil(m/32), ceil(n/32)) float; seed: int or
-    int64 tensor [key, counter]; returns w_hat (m, n) in out_dtype (paper: BF16).
-    fused=True generates R inside the apply/grad kernels (GaussWS only; same R, same result)."""
+    w: (m, n), m, n >= 1, float32 (bf16/fp16 accepted); b_t: (ceil(m/32), ceil(n/32)) float,
+    used as clamp(b_t, B_MIN, B_MAX) = [1, 24] bits (∂L/∂b_t = 0 where clamped); seed: int in
+    [0, 2**63) or int64 tensor [key, counter]; returns w_hat (m, n) in out_dtype (paper: BF16).
+    fused=True generates R inside the apply/grad kernels (GaussWS only; same R, same result).
+    Raises TypeError (w dtype, seed type) / ValueError (shapes, empty w, seed range, method, impl)."""
     impl, seed = _check_sample_args(w, b_t, method, impl, seed)
-    pow2 = torch.exp2(1.0 - b_t.float())   # autograd: d pow2 / d b_t = -ln2 · pow2 (eq. 4)
-    return torch.ops.gaussws.pqn_sample(w.contiguous(), pow2.contiguous(), seed, method, out_dtype, impl, fused)[0]
+    pow2 = _pow2(b_t)   # autograd: d pow2 / d b_t = -ln2 · pow2 (eq. 4), 0 where b_t is clamped
+    return torch.ops.gaussws.pqn_sample(w.contiguous(), pow2, seed, method, out_dtype, impl, fused)[0]
 
 
 class _RecomputeLinear(torch.autograd.Function):
@@ -702,7 +750,8 @@ def _compute_dtype(x):
 def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="auto", fused=False):
     """Linear layer with a sampled weight: F.linear(x, w_hat, bias), w_hat from eq. 3.
 
-    x: (..., n); w: (m, n); b_t: tile grid of w; bias: (m,) or None. w_hat is made in the compute
+    x: (..., n); w: (m, n); b_t: tile grid of w (clamped to [B_MIN, B_MAX] as in `gaussws_sample`);
+    bias: (m,) or None; seed as in `gaussws_sample`. w_hat is made in the compute
     dtype (the autocast dtype when autocast is on — BF16 in training — else x.dtype).
     memory="save": autograd keeps w_hat (paper, +2 B/param); "recompute": rebuilt in backward."""
     _check_choice("memory", memory, MEMORY_MODES)
@@ -710,7 +759,7 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {w.shape[1]}")
     cd = _compute_dtype(x)
-    pow2 = torch.exp2(1.0 - b_t.float()).contiguous()
+    pow2 = _pow2(b_t)
     if memory == "save":
         w_hat = torch.ops.gaussws.pqn_sample(w.contiguous(), pow2, seed, method, cd, impl, fused)[0]
         return F.linear(x, w_hat, bias)
@@ -757,12 +806,15 @@ def _in_backward_pass():
 class GaussWSLinear(nn.Linear):
     """Drop-in nn.Linear whose weight is sampled by eq. 3 in training mode (paper A).
 
-    Args: in_features, out_features, bias as nn.Linear; method "gaussws" (R of eq. 10) or "diffq"
-    (R ~ U(-0.5, 0.5) in BF16); b_init, b_target (eq. 12; defaults 6 and 4); seed: this layer's
-    seed (its Philox key is splitmix64(seed)); memory "save" (paper: w_hat kept in BF16 for
-    backward) or "recompute" (w_hat rebuilt in backward); impl "auto"|"torch"|"triton";
-    fused: generate R inside the apply/grad kernels (GaussWS, Triton; default, faster at every
-    measured shape, same R and same w_hat bits); fused=False is the paper's 3-kernel design.
+    Args: in_features, out_features (ints >= 1), bias as nn.Linear; method "gaussws" (R of
+    eq. 10) or "diffq" (R ~ U(-0.5, 0.5) in BF16); b_init, b_target (eq. 11; defaults 6 and 4;
+    numbers in [B_MIN, B_MAX] = [1, 24] with b_target <= b_init, equal = fixed bitwidth); seed:
+    int in [0, 2**63), this layer's seed (its Philox key is splitmix64(seed)); memory "save"
+    (paper: w_hat kept in BF16 for backward) or "recompute" (w_hat rebuilt in backward); impl
+    "auto"|"torch"|"triton"; fused: generate R inside the apply/grad kernels (GaussWS, Triton;
+    default, faster at every measured shape, same R and same w_hat bits); fused=False is the
+    paper's 3-kernel design (§3.5); dtype: float32 (default), bfloat16 or float16.
+    Raises ValueError / TypeError (float64 or other dtypes, seed type) at construction.
 
     Parameters: weight (out, in) and bias as nn.Linear, `b_i` (ceil(out/32), ceil(in/32)) init 1
     (put weight decay on it to pull b_t to b_target). Buffer `noise_state` int64 [key, call
@@ -777,11 +829,12 @@ class GaussWSLinear(nn.Linear):
         _check_choice("method", method, METHODS)
         _check_choice("memory", memory, MEMORY_MODES)
         _check_choice("impl", impl, IMPLS)
-        for name, v in (("b_init", b_init), ("b_target", b_target)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 24:
-                raise ValueError(f"{name}={v!r} must be a number in (0, 24) bits")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed={seed!r} must be a non-negative int")
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1 (an empty weight has no tiles to sample)")
+        _check_dtype(dtype if dtype is not None else torch.get_default_dtype(), "GaussWSLinear weight")
+        _check_bits(b_init, b_target)
+        _check_seed(seed)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.method, self.memory, self.impl, self.fused = method, memory, impl, bool(fused)
         self.b_init, self.b_target = float(b_init), float(b_target)
@@ -793,7 +846,8 @@ class GaussWSLinear(nn.Linear):
 
     @property
     def b_t(self):
-        """Tile bitwidths (eq. 12), float32, differentiable w.r.t. b_i."""
+        """Tile bitwidths, exactly eq. 11 (not clamped; sampling clamps to [B_MIN, B_MAX]),
+        float32, differentiable w.r.t. b_i."""
         return self.b_target + self.b_i.float() * (self.b_init - self.b_target)
 
     def _next_seed(self):
@@ -815,64 +869,88 @@ class GaussWSLinear(nn.Linear):
 
 
 def _parse_parts(parts):
+    """-> list of part names; "all" -> ALL_PARTS (every part this model kind has), "od" -> out, down."""
     if not isinstance(parts, str):
         raise TypeError(f"parts must be a string, got {type(parts).__name__}")
     if parts == "all":
-        return set(ALL_PARTS)
+        return list(ALL_PARTS)
     if parts == "od":
-        return {"out", "down"}
-    names = [p.strip() for p in parts.split(",") if p.strip()]
+        return ["out", "down"]
+    names = list(dict.fromkeys(p.strip() for p in parts.split(",") if p.strip()))
     bad = [p for p in names if p not in ALL_PARTS]
     if not names or bad:
         raise ValueError(f"parts={parts!r}: unknown part(s) {bad or [parts]}; allowed: 'all', 'od' "
                          f"or a comma list of {', '.join(ALL_PARTS)}")
-    return set(names)
+    return names
+
+
+def _check_module(model, fn):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def apply_pqt(model, method="gaussws", parts="all", b_init=6, b_target=4, seed=0, memory="save",
               impl="auto", fused=True):
     """Replace the nn.Linear layers named in `parts` inside `model.blocks` by GaussWSLinear
-    (same weight and bias Parameters, device and dtype). parts: "all", "od" (out + down) or a
-    comma list of qkv,out,up,down (GPT-2) / q,k,v,out,gate,up,down (Llama). Embeddings, norms and
-    the LM head (outside model.blocks) are never sampled. Layer seeds come from
-    random.Random(seed) in module order (§3.6 seed generator). `fused` as in GaussWSLinear.
-    Returns the replaced names
-    ("blocks.0.attn.qkv", ...). Raises ValueError when nothing matches."""
+    (same weight and bias Parameters, device and dtype). parts: "all" (every part the model has),
+    "od" (out + down) or a comma list of qkv,out,up,down (GPT-2) / q,k,v,out,gate,up,down (Llama);
+    every part named in a list (and both of "od") must exist. Embeddings, norms and the LM head
+    (outside model.blocks) are never sampled. b_init, b_target, seed as in GaussWSLinear; layer
+    seeds come from random.Random(seed) in module order (§3.6 seed generator). `fused` as in
+    GaussWSLinear. Returns the replaced names ("blocks.0.attn.qkv", ...).
+    Everything is checked before the model is touched. Raises TypeError (model not an nn.Module,
+    seed type, float64 layers) or ValueError (bad arguments; no `blocks`; a named part that the
+    blocks have no nn.Linear for: the message lists the missing parts and the parts present)."""
+    _check_module(model, "apply_pqt")
     _check_choice("method", method, METHODS)
     _check_choice("memory", memory, MEMORY_MODES)
+    _check_choice("impl", impl, IMPLS)
+    _check_bits(b_init, b_target)
+    _check_seed(seed)
     wanted = _parse_parts(parts)
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.Module):
         raise ValueError(f"model {type(model).__name__} has no nn.Module attribute 'blocks' to apply PQT to")
+    found = [(bname, block, cname, child) for bname, block in blocks.named_modules(prefix="blocks")
+             for cname, child in block.named_children() if cname in ALL_PARTS and type(child) is nn.Linear]
+    have = list(dict.fromkeys(c for _, _, c, _ in found))             # in module order
+    found = [f for f in found if f[2] in wanted]
+    missing = [p for p in wanted if p not in have] if parts != "all" else ([] if have else wanted)
+    if missing:
+        done = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n, _ in pqt_layers(blocks)))
+        raise ValueError(f"apply_pqt(parts={parts!r}): no nn.Linear named {', '.join(missing)} inside "
+                         f"model.blocks; its blocks have: {', '.join(have) or 'none'}"
+                         + (f" (already GaussWSLinear: {', '.join(done)})" if done else ""))
+    for bname, _, cname, child in found:
+        _check_dtype(child.weight.dtype, f"{bname}.{cname}.weight")
     rng = random.Random(seed)
     replaced = []
-    for bname, block in list(blocks.named_modules(prefix="blocks")):
-        for cname, child in list(block.named_children()):
-            if cname not in wanted or type(child) is not nn.Linear:
-                continue
-            layer = GaussWSLinear(child.in_features, child.out_features, bias=child.bias is not None,
-                                  method=method, b_init=b_init, b_target=b_target,
-                                  seed=rng.getrandbits(62), memory=memory, impl=impl, fused=fused,
-                                  device=child.weight.device, dtype=child.weight.dtype)
-            layer.weight = child.weight
-            if child.bias is not None:
-                layer.bias = child.bias
-            layer.train(child.training)
-            setattr(block, cname, layer)
-            replaced.append(f"{bname}.{cname}")
-    if not replaced:
-        raise ValueError(f"apply_pqt: no nn.Linear named in parts={parts!r} found inside model.blocks")
+    for bname, block, cname, child in found:
+        layer = GaussWSLinear(child.in_features, child.out_features, bias=child.bias is not None,
+                              method=method, b_init=b_init, b_target=b_target,
+                              seed=rng.getrandbits(62), memory=memory, impl=impl, fused=fused,
+                              device=child.weight.device, dtype=child.weight.dtype)
+        layer.weight = child.weight
+        if child.bias is not None:
+            layer.bias = child.bias
+        layer.train(child.training)
+        setattr(block, cname, layer)
+        replaced.append(f"{bname}.{cname}")
     return replaced
 
 
 def pqt_layers(model):
-    """(name, GaussWSLinear) pairs of a model."""
+    """(name, GaussWSLinear) pairs of a model (an nn.Module, else TypeError), in module order."""
+    _check_module(model, "pqt_layers")
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GaussWSLinear)]
 
 
 def bitwidth_penalty(model):
-    """Σ_layers mean_tiles |b_t − b_target| (the λ term of §3.6; the trainer multiplies by λ).
-    Scalar float32 tensor, differentiable w.r.t. every b_i; 0 when the model has no PQT layer."""
+    """Σ_layers mean_tiles |b_t − b_target| (the λ term of eq. 12; the trainer multiplies by λ),
+    on the unclamped eq. 11 b_t so it also pulls tiles that left [B_MIN, B_MAX] back toward
+    b_target. Scalar float32 tensor, differentiable w.r.t. every b_i; 0 (an empty sum) when the
+    model has no PQT layer. TypeError if model is not an nn.Module."""
+    _check_module(model, "bitwidth_penalty")
     terms = [(m.b_t - m.b_target).abs().mean() for _, m in pqt_layers(model)]
     if not terms:
         p = next(model.parameters(), None)
@@ -910,17 +988,24 @@ def _stats(bt, cnt):
 
 
 def bitwidth_stats(model):
-    """Figure 5 statistics of b_t (eq. 12), parameter-weighted (edge tiles count their real size).
+    """Figure 5 statistics of the bitwidths the layers sample with: b_t of eq. 11 clamped to
+    [B_MIN, B_MAX] (as in the forward), parameter-weighted (edge tiles count their real size).
 
     Returns {layer name: {mean, std, min, max, params, share_le5, share_le9, share_le12, tier}}
-    plus the key "all" aggregating every PQT layer; `tier` is the Table C format for the max."""
+    plus the key "all" aggregating every PQT layer; `tier` is the Table C format for the max.
+    Raises TypeError if model is not an nn.Module and ValueError if it has no GaussWSLinear layer
+    (statistics of no tiles are undefined; train.py only calls it after apply_pqt replaced some)."""
+    _check_module(model, "bitwidth_stats")
+    layers = pqt_layers(model)
+    if not layers:
+        raise ValueError(f"bitwidth_stats: model {type(model).__name__} has no GaussWSLinear layer "
+                         "(call apply_pqt first)")
     out, bts, cnts = {}, [], []
-    for name, m in pqt_layers(model):
-        bt = m.b_t.detach().double().cpu()
+    for name, m in layers:
+        bt = m.b_t.detach().clamp(B_MIN, B_MAX).double().cpu()
         cnt = _tile_counts(m.out_features, m.in_features)
         out[name] = _stats(bt, cnt)
         bts.append(bt.flatten())
         cnts.append(cnt.flatten())
-    if bts:
-        out["all"] = _stats(torch.cat(bts), torch.cat(cnts))
+    out["all"] = _stats(torch.cat(bts), torch.cat(cnts))
     return out
