@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -1681,3 +1682,468 @@ def test_bench_train_runs_every_method_on_cpu():
     assert res["rows"][0]["overhead_pct"] == 0.0
     assert all(r["tokens_per_s"] > 0 for r in res["rows"])
     assert set(res["geomean_overhead_pct"]) == {"gaussws/adamw", "diffq/adamw"}
+
+
+# ----------------------------------------------------------------------------- trainer input checks, cache, resume
+
+def test_max_tokens_is_part_of_the_cache_identity(tmp_path):
+    text = open(argparse.__file__, encoding="utf-8").read()
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    n = len(text.encode("utf-8"))
+    n_train = n - int(n * 0.1)
+    src, dd = str(tmp_path / "a.txt"), str(tmp_path / "d")
+    capped = datamod.prepare(src, "byte", data_dir=dd, max_tokens=5000, verbose=False)
+    full = datamod.prepare(src, "byte", data_dir=dd, verbose=False)   # a later run without the cap
+    assert capped != full and capped.endswith("-max5000")
+    assert datamod.load_meta(capped)["train_tokens"] == 5000 and datamod.load_meta(capped)["max_tokens"] == 5000
+    assert datamod.load_meta(full)["train_tokens"] == n_train and datamod.load_meta(full)["max_tokens"] is None
+    assert os.path.getsize(os.path.join(full, "train.bin")) == 2 * n_train   # uint16 tokens
+    # a folder left by an older data.py under the uncapped name, holding capped data and no record
+    # of the cap or the sources, is prepared again instead of being used
+    meta = datamod.load_meta(full)
+    np.fromfile(os.path.join(capped, "train.bin"), dtype=np.uint16).tofile(os.path.join(full, "train.bin"))
+    old = {k: v for k, v in meta.items() if k not in ("max_tokens", "source_files")}
+    with open(os.path.join(full, "meta.json"), "w") as f:
+        json.dump(dict(old, train_tokens=5000), f)
+    assert datamod.prepare(src, "byte", data_dir=dd, verbose=False) == full
+    assert datamod.load_meta(full)["train_tokens"] == n_train
+    assert os.path.getsize(os.path.join(full, "train.bin")) == 2 * n_train
+    # a prepared folder given directly is used as it is, but not with another cap
+    assert datamod.prepare(capped, "byte", max_tokens=5000, verbose=False) == capped
+    with pytest.raises(ValueError, match="--max_tokens 4000.*cap 5000"):
+        datamod.prepare(capped, "byte", max_tokens=4000, verbose=False)
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="--max_tokens"):
+            datamod.prepare(src, "byte", data_dir=dd, max_tokens=bad, verbose=False)
+
+
+def test_edited_or_renamed_source_is_prepared_again(tmp_path, capsys):
+    src, dd = tmp_path / "src", str(tmp_path / "d")
+    src.mkdir()
+    (src / "a.txt").write_text("alpha " * 100, encoding="utf-8")
+    (src / "b.txt").write_text("beta " * 40, encoding="utf-8")
+    folder = datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
+    assert datamod.load_meta(folder)["train_tokens"] + datamod.load_meta(folder)["val_tokens"] == 800
+    # edit: more text (and a newer mtime)
+    with open(src / "a.txt", "a", encoding="utf-8") as f:
+        f.write("gamma " * 10)
+    st = os.stat(src / "a.txt")
+    os.utime(src / "a.txt", (st.st_atime, st.st_mtime + 10))
+    capsys.readouterr()
+    assert datamod.prepare(str(src), "byte", data_dir=dd) == folder
+    assert "source files changed" in capsys.readouterr().out
+    meta = datamod.load_meta(folder)
+    assert meta["train_tokens"] + meta["val_tokens"] == 860
+    # rename (same bytes, same mtime): b.txt becomes the validation split
+    os.rename(src / "b.txt", src / "val_b.txt")
+    datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
+    meta = datamod.load_meta(folder)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (660, 200)
+    # unchanged sources: reused, not rewritten
+    mtime = os.path.getmtime(os.path.join(folder, "meta.json"))
+    datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
+    assert os.path.getmtime(os.path.join(folder, "meta.json")) == mtime
+
+
+def test_resume_with_another_max_tokens_is_refused(corpus, tmp_path):
+    args = base_args(corpus, tmp_path / "o", "--max_iters", "2", "--eval_interval", "2")
+    train.main(args + ["--max_tokens", "5000"])
+    with pytest.raises(train.RunError, match=r"--max_tokens 5000 \(checkpoint\) vs None"):
+        train.main(args + ["--resume"])
+
+
+# ----------------------------------------------------------------------------- flags
+
+@pytest.mark.parametrize("flags, words", [
+    (["--lr", "nan"], ["--lr nan", "> 0"]),
+    (["--lr", "inf"], ["--lr inf"]),
+    (["--lr", "0"], ["--lr 0"]),
+    (["--beta1", "1.5"], ["--beta1 1.5", "[0, 1)"]),
+    (["--beta2", "1"], ["--beta2 1", "[0, 1)"]),
+    (["--beta2", "-0.1"], ["--beta2"]),
+    (["--eps", "-1"], ["--eps -1"]),
+    (["--eps", "0"], ["--eps 0"]),
+    (["--eps", "inf"], ["--eps inf"]),
+    (["--weight_decay", "-1"], ["--weight_decay -1", ">= 0"]),
+    (["--weight_decay", "nan"], ["--weight_decay nan"]),
+    (["--b_init", "30"], ["--b_init 30", "[1, 24]"]),
+    (["--b_target", "-1"], ["--b_target -1"]),
+    (["--b_init", "nan"], ["--b_init nan"]),
+    (["--bits_wd", "-5"], ["--bits_wd -5"]),
+    (["--bits_lambda", "-1"], ["--bits_lambda -1"]),
+    (["--grad_clip", "-1"], ["--grad_clip -1", ">= 0"]),
+    (["--min_lr_frac", "5"], ["--min_lr_frac 5", "[0, 1]"]),
+    (["--warmup_frac", "-0.1"], ["--warmup_frac"]),
+    (["--cooldown_frac", "1.5"], ["--cooldown_frac 1.5"]),
+    (["--warmup_frac", "0.6", "--cooldown_frac", "0.5"], ["--warmup_frac 0.6", "--cooldown_frac 0.5"]),
+    (["--tokens_per_param", "-1"], ["--tokens_per_param -1"]),
+    (["--tokens_per_param", "20", "--max_iters", "100"], ["--tokens_per_param", "--max_iters"]),
+    (["--max_iters", "10", "--stop_after", "11"], ["--stop_after 11", "--max_iters 10"]),
+    (["--stop_after", "0"], ["--stop_after 0"]),
+    (["--max_tokens", "0"], ["--max_tokens 0"]),
+    (["--max_tokens", "-3"], ["--max_tokens -3"]),
+    (["--eval_windows", "-1"], ["--eval_windows -1"]),
+    (["--seed", "-1"], ["--seed -1"]),
+])
+def test_bad_flags_fail_before_data_or_model(flags, words, capsys, monkeypatch, tmp_path):
+    def boom(*a, **k):
+        raise AssertionError("data prepared or model built before the flags were checked")
+    monkeypatch.setattr(datamod, "prepare", boom)
+    monkeypatch.setattr(train, "GPT", boom)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "nano", "--out_dir", str(tmp_path / "o"), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("train.py: error:")
+    for w in words:
+        assert w in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_edge_flag_values_are_accepted():
+    p = train.build_parser()
+    args = p.parse_args(["--preset", "nano", "--beta1", "0", "--grad_clip", "0", "--warmup_frac", "0",
+                         "--cooldown_frac", "1", "--min_lr_frac", "1", "--b_init", "24", "--b_target", "1",
+                         "--bits_wd", "0", "--weight_decay", "0", "--eval_windows", "0",
+                         "--max_iters", "7", "--stop_after", "7"])
+    train.resolve_args(args, p, cuda=False)
+    assert (args.max_iters, args.stop_after, args.eval_windows) == (7, 7, 0)
+    args = p.parse_args(["--preset", "nano", "--tokens_per_param", "0.5"])
+    train.resolve_args(args, p, cuda=False)
+    assert args.max_iters is None        # set from the parameter count once the model exists
+    args = p.parse_args(["--preset", "nano"])
+    train.resolve_args(args, p, cuda=False)
+    assert args.max_iters == 300 and args.eval_windows is None   # CPU default; windows capped later
+
+
+def test_eval_windows_limited_by_the_val_split(tmp_path, capsys):
+    text = open(argparse.__file__, encoding="utf-8").read()[:30000]
+    (tmp_path / "small.txt").write_text(text, encoding="utf-8")
+    common = ["--preset", "nano", "--dataset", str(tmp_path / "small.txt"), "--data_dir", str(tmp_path / "d"),
+              "--tokenizer", "byte", "--batch_size", "4", "--no-plot", "--max_iters", "2"]
+    n_val = int(len(text.encode("utf-8")) * 0.1)
+    fit = (n_val - 1) // 64                       # non-overlapping windows of the nano block (64)
+    assert fit < 64                               # so the CPU default of 64 does not fit
+    with pytest.raises(train.RunError, match=f"--eval_windows {fit + 1}: .* at most {fit} .*<= {fit}"):
+        train.main(common + ["--out_dir", str(tmp_path / "a"), "--eval_windows", str(fit + 1)])
+    capsys.readouterr()
+    s = train.main(common + ["--out_dir", str(tmp_path / "b")])   # auto: capped, with a message
+    assert f"eval on {fit} windows" in capsys.readouterr().out
+    assert s["final_val_loss"] is not None
+    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)["config"]["eval_windows"] == fit
+
+
+def test_stop_after_beyond_tokens_per_param_steps(corpus, tmp_path):
+    # max_iters from --tokens_per_param is only known once the model is built
+    with pytest.raises(train.RunError, match=r"--stop_after 1000: must be <= max_iters \d+ \(from --tokens_per_param"):
+        train.main(base_args(corpus, tmp_path / "o", "--tokens_per_param", "0.01", "--stop_after", "1000"))
+
+
+# ----------------------------------------------------------------------------- resume
+
+def test_resume_covers_the_whole_run_and_a_finished_run_is_left_alone(corpus, tmp_path, capsys):
+    out = tmp_path / "o"
+    args = base_args(corpus, out, "--max_iters", "8", "--eval_interval", "4")
+    train.main(args + ["--stop_after", "4"])
+    first = [r for r in read_log(out) if r["type"] == "eval"][0]
+    assert first["iter"] == 0
+    # asking again for the same --stop_after: nothing to do, the log stays
+    before = (out / "log.jsonl").read_bytes()
+    capsys.readouterr()
+    train.main(args + ["--stop_after", "4", "--resume"])
+    assert "already at --stop_after 4" in capsys.readouterr().out
+    assert (out / "log.jsonl").read_bytes() == before
+    # resume to the end: first -> last val loss spans the whole run, not just the resumed part
+    s = train.main(args + ["--resume"])
+    log = read_log(out)
+    evals = [r for r in log if r["type"] == "eval"]
+    assert [e["iter"] for e in evals] == [0, 4, 8]
+    assert s["first_val_loss"] == first["val_loss"] and s["final_val_loss"] == evals[-1]["val_loss"]
+    assert s["best_val_loss"] == min(e["val_loss"] for e in evals)
+    assert [r["type"] for r in log].count("summary") == 1
+    printed = capsys.readouterr().out
+    assert f"val loss {first['val_loss']:.4f} -> {evals[-1]['val_loss']:.4f}" in printed
+    # resuming the finished run: says so, returns the original summary, log.jsonl untouched
+    before = (out / "log.jsonl").read_bytes()
+    ckpt_before = (out / "ckpt.pt").read_bytes()
+    again = train.main(args + ["--resume"])
+    assert "the run is finished" in capsys.readouterr().out
+    assert again == log[-1] and again["final_val_loss"] == evals[-1]["val_loss"]
+    assert (out / "log.jsonl").read_bytes() == before and (out / "ckpt.pt").read_bytes() == ckpt_before
+
+
+class _NotATensor:
+    pass
+
+
+def test_unreadable_checkpoint_is_one_clear_line(tmp_path):
+    good = tmp_path / "good.pt"
+    train.save_checkpoint(str(good), {"format": train.CKPT_FORMAT, "x": torch.arange(1000)})
+    # (where the cut lands decides which error torch.load gives; each must come out as one line)
+    raw = good.read_bytes()
+    (tmp_path / "half.pt").write_bytes(raw[: len(raw) // 2])
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"format": train.CKPT_FORMAT, "x": _NotATensor()}, tmp_path / "pickled.pt")
+    for name, reason in (("half.pt", "?): "), ("empty.pt", "the file is empty"), ("pickled.pt", "_NotATensor")):
+        path = str(tmp_path / name)
+        with pytest.raises(train.RunError) as e:
+            train.load_checkpoint(path)
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and path in msg and "corrupt or truncated" in msg and reason in msg
+        assert "weights_only" not in msg and "Weights only load failed" not in msg
+
+
+# ----------------------------------------------------------------------------- text sources
+
+def test_binary_or_non_utf8_file_is_refused(tmp_path):
+    dd = str(tmp_path / "d")
+    (tmp_path / "blob").write_bytes(b"MZ\x90\x00" + bytes(range(256)) * 40)
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1") * 100)
+    with gzip.open(tmp_path / "packed.txt.gz", "wb") as f:
+        f.write(b"text\x00\x00\x00binary" * 100)
+    for name, why in (("blob", "NUL byte at offset 3"), ("latin1.txt", "invalid byte 0xe9 at offset 3"),
+                      ("packed.txt.gz", "NUL byte at offset 4")):
+        with pytest.raises(ValueError, match=f"{name}: not .*{why}"):
+            datamod.prepare(str(tmp_path / name), "byte", data_dir=dd, verbose=False)
+    # a multi-byte character cut by the 8 KB sniff boundary is still text; a bad byte after it is replaced
+    ok = ("a" + "\u00e9" * 5000).encode("utf-8") + b"\xff tail\n"
+    assert len(ok[:8192].decode("utf-8", errors="ignore").encode()) == 8191   # the cut is mid-character
+    (tmp_path / "ok.txt").write_bytes(ok)
+    folder = datamod.prepare(str(tmp_path / "ok.txt"), "byte", data_dir=dd, verbose=False)
+    meta = datamod.load_meta(folder)
+    assert meta["train_tokens"] + meta["val_tokens"] == len(ok) + 2   # U+FFFD is 3 bytes for 1
+
+
+def test_binary_file_in_train_py_is_a_one_line_error(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"\x00" * 5000)
+    with pytest.raises(train.RunError, match="weights.bin: not a text file"):
+        train.main(["--preset", "nano", "--dataset", str(tmp_path / "weights.bin"), "--data_dir",
+                    str(tmp_path / "d"), "--tokenizer", "byte", "--no-plot", "--out_dir", str(tmp_path / "o")])
+
+
+def test_validation_tail_is_announced_and_documented(tmp_path, capsys):
+    src = tmp_path / "books"
+    src.mkdir()
+    (src / "a.txt").write_text("alpha beta\n" * 100, encoding="utf-8")
+    folder = datamod.prepare(str(src), "byte", data_dir=str(tmp_path / "d"))
+    out = capsys.readouterr().out
+    assert "no validation file" in out and "last 10 %" in out and "(110)" in out
+    assert datamod.load_meta(folder)["val_split"] == "last 10 %"
+    (src / "val.txt").write_text("gamma\n" * 10, encoding="utf-8")
+    datamod.prepare(str(src), "byte", data_dir=str(tmp_path / "d"))
+    assert "no validation file" not in capsys.readouterr().out
+    assert datamod.load_meta(folder)["val_split"] == "val* files"
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "named val*, otherwise the last 10% of the tokens" in help_text
+
+
+# =============================================================================================
+# gaussws.py input checks: b_target <= b_init, parts, empty/float64 weights, b_t clamp, seeds
+
+def _gpt(kind):
+    torch.manual_seed(0)
+    return GPT(preset_config("nano-llama" if kind == "llama" else "nano", vocab_size=64))
+
+
+def _untouched(model):
+    return not g.pqt_layers(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# b_init / b_target (eq. 11)
+
+def test_b_target_above_b_init_is_rejected_and_equal_is_fixed_bitwidth():
+    with pytest.raises(ValueError, match=r"b_target=8 > b_init=4.*b_target <= b_init.*eq\. 11"):
+        g.GaussWSLinear(64, 64, b_init=4, b_target=8)
+    m = _gpt("gpt2")
+    with pytest.raises(ValueError, match=r"b_target=6 > b_init=4"):
+        g.apply_pqt(m, b_init=4, b_target=6)
+    assert _untouched(m)
+    for bad in (0.5, 25, float("nan"), float("inf"), True, "6"):
+        with pytest.raises(ValueError, match="b_init="):
+            g.GaussWSLinear(8, 8, b_init=bad, b_target=1)
+    # b_init == b_target: b_t is b_target whatever b_i is, and b_i gets no gradient
+    torch.manual_seed(1)
+    layer = g.GaussWSLinear(45, 70, b_init=5, b_target=5)
+    with torch.no_grad():
+        layer.b_i.uniform_(-3, 3)
+    assert torch.equal(layer.b_t, torch.full((3, 2), 5.0))
+    layer(torch.randn(4, 45)).square().sum().backward()
+    assert torch.equal(layer.b_i.grad, torch.zeros(3, 2)) and layer.weight.grad.abs().sum() > 0
+    assert len(g.apply_pqt(_gpt("gpt2"), b_init=4, b_target=4)) == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# parts
+
+def _have(msg):
+    return set(re.search(r"its blocks have: ([a-z, ]+)", msg).group(1).split(", "))
+
+
+@pytest.mark.parametrize("kind,parts,missing,have", [
+    ("llama", "qkv,out", "qkv", {"q", "k", "v", "out", "gate", "up", "down"}),
+    ("gpt2", "q,out", "q", {"qkv", "out", "up", "down"}),
+    ("gpt2", "gate,k,up", "gate, k", {"qkv", "out", "up", "down"})])
+def test_apply_pqt_rejects_parts_the_model_lacks(kind, parts, missing, have):
+    m = _gpt(kind)
+    with pytest.raises(ValueError, match=f"no nn.Linear named {missing} inside") as e:
+        g.apply_pqt(m, parts=parts)
+    assert _have(str(e.value)) == have
+    assert _untouched(m)                      # nothing replaced, not even the parts that exist
+
+
+def test_apply_pqt_all_and_od_work_for_both_model_kinds():
+    for kind, n_all in (("gpt2", 4), ("llama", 7)):
+        m = _gpt(kind)
+        names = g.apply_pqt(m, parts="all")
+        assert len(names) == 2 * n_all == len(g.pqt_layers(m))
+        assert "lm_head" not in " ".join(names)
+        od = g.apply_pqt(_gpt(kind), parts="od")
+        assert [n.rsplit(".", 1)[-1] for n in od] == ["out", "down", "out", "down"]
+        with pytest.raises(ValueError, match=r"have: none \(already GaussWSLinear: "):
+            g.apply_pqt(m, parts="all")       # applying twice names what is already replaced
+
+
+# ---------------------------------------------------------------------------------------------
+# empty weights, dtypes
+
+def test_empty_weight_is_rejected_with_a_clear_error():
+    with pytest.raises(ValueError, match="out_features=0 must be an int >= 1"):
+        g.GaussWSLinear(64, 0)
+    with pytest.raises(ValueError, match="in_features=0 must be an int >= 1"):
+        g.GaussWSLinear(0, 64)
+    with pytest.raises(ValueError, match=r"w has shape \(0, 64\): it must have at least one element"):
+        g.gaussws_sample(torch.empty(0, 64), torch.empty(0, 2), 0)
+    with pytest.raises(ValueError, match=r"w has shape \(5, 0\)"):
+        g.apply_noise(torch.empty(5, 0), torch.empty(5, 0, dtype=torch.int32), torch.empty(1, 0))
+
+
+def test_float64_is_rejected_at_construction():
+    with pytest.raises(TypeError, match="float64; allowed: float32, bfloat16, float16"):
+        g.GaussWSLinear(8, 8, dtype=torch.float64)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(TypeError, match="float64"):
+            g.GaussWSLinear(8, 8)
+    finally:
+        torch.set_default_dtype(old)
+    m = _gpt("gpt2").double()
+    with pytest.raises(TypeError, match=r"blocks\.0\.attn\.qkv\.weight has dtype torch\.float64"):
+        g.apply_pqt(m)
+    assert _untouched(m)
+    for dt in (torch.bfloat16, torch.float16):  # the allowed low-precision dtypes still construct
+        assert g.GaussWSLinear(8, 8, dtype=dt).weight.dtype == dt
+
+
+# ---------------------------------------------------------------------------------------------
+# b_t clamp to [B_MIN, B_MAX]
+
+def test_bt_clamped_in_sampling_with_eq4_inside_and_zero_grad_outside():
+    torch.manual_seed(2)
+    m, n = 70, 45                                          # tile grid (3, 2)
+    w = torch.randn(m, n)
+    bt_raw = torch.tensor([[-1996.0, 0.5], [1.0, 5.0], [24.0, 30.0]])
+    bt = bt_raw.clone().requires_grad_()
+    G = torch.randn(m, n)
+    seed = torch.tensor([123, 4])
+    w_hat = g.gaussws_sample(w, bt, seed, out_dtype=torch.float32, impl="torch")
+    assert torch.isfinite(w_hat).all()
+    (w_hat * G).sum().backward()
+    r = g.unpack_noise(g.generate_noise((m, n), seed), n).double()
+    tmax = g._tile_max_torch(w).double()
+    b_eff = bt_raw.double().clamp(1, 24)
+    ref = w.double() + r * g._broadcast_tiles(tmax * torch.exp2(1 - b_eff), m, n)   # eq. 3, clamped b_t
+    assert torch.allclose(w_hat.double(), ref, rtol=1e-6, atol=1e-6)
+    tsum = F.pad(G.double() * r, (0, -n % 32, 0, -m % 32)).view(3, 32, 2, 32).sum(dim=(1, 3))
+    eq4 = -math.log(2) * tmax * torch.exp2(1 - b_eff) * tsum
+    inside = (bt_raw >= 1) & (bt_raw <= 24)                 # the range ends count as inside
+    assert torch.allclose(bt.grad.double()[inside], eq4[inside], rtol=1e-4, atol=1e-6)
+    assert (eq4[inside].abs() > 0).all() and torch.equal(bt.grad[~inside], torch.zeros(3))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_layer_with_runaway_b_i_stays_finite_and_equals_clamped(impl):
+    torch.manual_seed(3)
+    x = torch.randn(3, 45)
+    out = {}
+    for b_i in (-1000.0, -1.5, 10.0, 500.0):                # b_t = -1996, 1, 24, 1004
+        layer = g.GaussWSLinear(45, 70, seed=9, impl=impl)  # same seed, same init weights
+        torch.manual_seed(4)
+        layer.reset_parameters()
+        with torch.no_grad():
+            layer.b_i.fill_(b_i)
+        out[b_i] = layer(x)
+        assert torch.isfinite(out[b_i]).all(), b_i
+    assert torch.equal(out[-1000.0], out[-1.5]) and torch.equal(out[500.0], out[10.0])
+    assert not torch.equal(out[-1.5], out[10.0])
+
+
+def test_penalty_pulls_clamped_tiles_back_and_stats_report_effective_bits():
+    layer = g.GaussWSLinear(64, 32, b_init=6, b_target=4)   # tiles (1, 2)
+    with torch.no_grad():
+        layer.b_i.copy_(torch.tensor([[-1000.0, 20.0]]))    # b_t = -1996, 44
+    holder = nn.Module()
+    holder.l = layer
+    g.bitwidth_penalty(holder).backward()
+    # d/d b_i of mean |b_t - 4| = sign(b_t - 4) · 2 / 2 tiles: descent moves both toward b_target
+    assert torch.equal(layer.b_i.grad, torch.tensor([[-1.0, 1.0]]))
+    s = g.bitwidth_stats(holder)
+    assert s["l"]["min"] == 1.0 and s["l"]["max"] == 24.0 and s["all"]["mean"] == 12.5
+    assert torch.equal(layer.b_t, torch.tensor([[-1996.0, 44.0]]))   # eq. 11 itself is not clamped
+
+
+# ---------------------------------------------------------------------------------------------
+# seeds: one rule, int (not bool) in [0, 2**63)
+
+@pytest.mark.parametrize("seed,err,msg", [
+    (-1, ValueError, r"seed=-1 must be an int in \[0, 2\*\*63\)"),
+    (2 ** 63, ValueError, r"seed=9223372036854775808"),
+    (2 ** 64, ValueError, r"seed=18446744073709551616"),
+    ("abc", TypeError, r"seed must be an int.*got str 'abc'"),
+    (1.5, TypeError, r"got float 1\.5"),
+    (True, TypeError, r"got bool True")])
+def test_seed_rule_is_the_same_everywhere(seed, err, msg):
+    m = _gpt("gpt2")
+    with pytest.raises(err, match=msg):
+        g.apply_pqt(m, seed=seed)
+    assert _untouched(m)
+    with pytest.raises(err, match=msg):
+        g.GaussWSLinear(8, 8, seed=seed)
+    with pytest.raises(err, match=msg):
+        g.gaussws_sample(torch.randn(8, 8), torch.full((1, 1), 4.0), seed)
+
+
+def test_largest_seed_is_accepted_everywhere():
+    s = 2 ** 63 - 1
+    assert len(g.apply_pqt(_gpt("gpt2"), seed=s)) == 8
+    assert g.GaussWSLinear(8, 8, seed=s).noise_state[0].item() >= 0
+    assert g.gaussws_sample(torch.randn(8, 8), torch.full((1, 1), 4.0), s).shape == (8, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# bitwidth_stats / penalty / pqt_layers on models without PQT layers and on non-modules
+
+def test_stats_without_pqt_layers_and_non_modules():
+    m = _gpt("gpt2")
+    with pytest.raises(ValueError, match="bitwidth_stats: model GPT has no GaussWSLinear layer"):
+        g.bitwidth_stats(m)
+    assert g.bitwidth_penalty(m).item() == 0.0 and g.pqt_layers(m) == []
+    for fn in (g.bitwidth_stats, g.bitwidth_penalty, g.pqt_layers, g.apply_pqt):
+        with pytest.raises(TypeError, match=f"{fn.__name__}: model must be a torch.nn.Module, got NoneType"):
+            fn(None)
+    g.apply_pqt(m, parts="od")
+    assert set(g.bitwidth_stats(m)) == {"all"} | {n for n, _ in g.pqt_layers(m)}
+
+
+# ---------------------------------------------------------------------------------------------
+# references in the source
+
+def test_gaussws_cites_the_paper_and_existing_benchmark():
+    src = open(g.__file__, encoding="utf-8").read()
+    assert "SPEC" not in src and "bench_noise_draft" not in src
+    assert "python bench.py --only noise" in src
+    bench = open(os.path.join(os.path.dirname(g.__file__), "bench.py"), encoding="utf-8").read()
+    assert re.search(r'"--only", choices=\[[^\]]*"noise"', bench)

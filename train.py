@@ -75,8 +75,8 @@ def build_parser():
     g.add_argument("--method", default="bf16", choices=METHODS, help="bf16 = no PQT")
     g.add_argument("--parts", default="all",
                    help="all | od | comma list of qkv,out,up,down (GPT) or q,k,v,out,gate,up,down (Llama)")
-    g.add_argument("--b_init", type=float, default=6.0, help="initial bitwidth (eq. 12)")
-    g.add_argument("--b_target", type=float, default=4.0, help="target bitwidth (eq. 12)")
+    g.add_argument("--b_init", type=float, default=6.0, help="initial bitwidth (paper A eq. 11)")
+    g.add_argument("--b_target", type=float, default=4.0, help="target bitwidth (paper A eq. 11)")
     g.add_argument("--bits_wd", type=float, default=0.1, help="weight decay on b_i (pulls b_t to b_target)")
     g.add_argument("--bits_lambda", type=float, default=0.0, help="lambda of the bitwidth penalty in the loss")
     g.add_argument("--pqt_memory", default="save", choices=("save", "recompute"),
@@ -181,10 +181,11 @@ def resolve_args(args, parser, cuda):
     if args.warmup_frac + args.cooldown_frac > 1:
         parser.error(f"--warmup_frac {args.warmup_frac:g} + --cooldown_frac {args.cooldown_frac:g} > 1: "
                      f"warmup and cooldown must fit in the run")
+    from gaussws import B_MAX, B_MIN
     for name in ("b_init", "b_target"):  # GaussWSLinear's range
-        check_range(parser, name, getattr(args, name), lo=0, hi=24, lo_in=False, hi_in=False)
+        check_range(parser, name, getattr(args, name), lo=B_MIN, hi=B_MAX)
     if args.b_target > args.b_init:
-        parser.error(f"--b_target {args.b_target} > --b_init {args.b_init}: need b_target <= b_init (eq. 12)")
+        parser.error(f"--b_target {args.b_target} > --b_init {args.b_init}: need b_target <= b_init (paper A eq. 11)")
     allowed = preset_config(args.preset).parts
     if args.parts not in ("all", "od"):
         bad = [x for x in args.parts.split(",") if x not in allowed]
@@ -234,7 +235,7 @@ def get_lr(it, max_iters, lr, schedule="wsd", warmup_frac=0.1, cooldown_frac=0.1
 
 def param_groups(model, weight_decay, bits_wd):
     """AdamW groups: matrices/embeddings with weight decay, vectors (norms, biases) without, and the
-    PQT bitwidth parameters b_i in their own group with weight decay bits_wd (paper A eq. 12:
+    PQT bitwidth parameters b_i in their own group with weight decay bits_wd (paper A eqs. 11-12:
     decay on b_i pulls b_t toward b_target)."""
     decay, no_decay, bits = [], [], []
     for name, p in model.named_parameters():
@@ -374,7 +375,7 @@ def setup_distributed(args):
 
 
 def mean_bt(bits_params, b_init, b_target):
-    """Mean tile bitwidth b_t over all PQT tiles (eq. 12: b_t = b_target + b_i (b_init - b_target)),
+    """Mean tile bitwidth b_t over all PQT tiles (paper A eq. 11: b_t = b_target + b_i (b_init - b_target)),
     as a 0-dim tensor (no device sync)."""
     if not bits_params:
         return None
