@@ -7,6 +7,7 @@ launch overhead included) measured in the same run as its baselines, reported as
     python bench.py --only noise    # GaussWS noise kernels (paper A, Figure 6)
     python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
     python bench.py --only train    # paper A Table 1: tokens/s, peak memory, overhead vs BF16
+    python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
 
 Results are printed as a table and written to results/<gpu>_<date>_<section>.json.
 """
@@ -443,6 +444,45 @@ def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
     return dict(preset=preset, rows=rows)
 
 
+# ---------------------------------------------------------------------------------------------
+# ddp: an N-GPU torchrun run against a 1-GPU run with the same global batch
+
+def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
+    """Run train.py once in one process and once under torchrun with nproc processes, the same
+    flags (which should include --grad_accum divisible by nproc, so the global batch is equal).
+    Micro-batches are seeded by (seed, step, global micro-batch index), so both runs read the
+    same windows and their loss curves agree up to floating-point summation order.
+    Returns per-step and per-eval losses of both runs, tokens/s and peak memory."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    logs = {}
+    for n in (1, nproc):
+        run_dir = os.path.join(out_dir, f"{n}proc")
+        launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                  "--standalone", "--nproc_per_node", str(n)]
+        r = subprocess.run([*launch, os.path.join(here, "train.py"), *train_args, "--out_dir", run_dir],
+                           env=env, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{n}-process run failed:\n{r.stderr[-3000:]}")
+        with open(os.path.join(run_dir, "log.jsonl")) as f:
+            logs[n] = [json.loads(line) for line in f]
+    out = {}
+    for n, recs in logs.items():
+        summary = [x for x in recs if x["type"] == "summary"][-1]
+        out[n] = dict(step_loss=[x["loss"] for x in recs if x["type"] == "step"],
+                      val_loss=[x["val_loss"] for x in recs if x["type"] == "eval"],
+                      tokens_per_s=summary.get("tokens_per_s"), peak_mem_mb=summary.get("peak_mem_mb"))
+    d = [b - a for a, b in zip(out[1]["step_loss"], out[nproc]["step_loss"])]
+    print(f"{len(d)} steps: step-loss difference {nproc} procs - 1 proc: max |d| {max(map(abs, d)):.2e}, "
+          f"mean {sum(d) / len(d):+.2e}; val {out[1]['val_loss']} vs {out[nproc]['val_loss']}; "
+          f"tokens/s {out[1]['tokens_per_s']} vs {out[nproc]['tokens_per_s']}")
+    return dict(command=f"python bench.py --only ddp  # train.py {' '.join(train_args)}",
+                one=out[1], many=out[nproc], nproc=nproc)
+
+
 def save(section, result):
     os.makedirs("results", exist_ok=True)
     gpu = torch.cuda.get_device_name().replace(" ", "-")
@@ -456,8 +496,10 @@ def save(section, result):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "noise", "train", "memory"], default=None,
-                    help="run one section (default: all)")
+    ap.add_argument("--only", choices=["optim", "noise", "train", "memory", "ddp"], default=None,
+                    help="run one section (default: all but ddp, which needs 2 GPUs)")
+    ap.add_argument("--dataset", default="stdlib", help="--only ddp: train.py's --dataset")
+    ap.add_argument("--iters", type=int, default=300, help="--only ddp: training steps")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -472,6 +514,12 @@ def main():
         save("memory", bench_memory())
     if args.only in (None, "train"):
         save("train", bench_train())
+    if args.only == "ddp":
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("--only ddp needs 2 GPUs")
+        save("ddp", bench_ddp(["--preset", "gpt2-124m", "--dataset", args.dataset, "--batch_size", "16",
+                               "--grad_accum", "2", "--max_iters", str(args.iters), "--eval_interval", "50",
+                               "--eval_windows", "64", "--no-plot"]))
 
 
 if __name__ == "__main__":

@@ -1635,27 +1635,20 @@ def test_bits_lambda_pulls_bitwidth_down(corpus, tmp_path):
     assert runs["1.0"] < runs["0"] - 0.05
 
 
-def test_ddp_two_processes_match_one_process_with_accumulation(corpus, tmp_path):
+def test_ddp_two_processes_match_one_process_with_accumulation(corpus, tmp_path, monkeypatch):
     # torchrun with 2 CPU processes (gloo) and --grad_accum 2 reads the same micro-batches as one
     # process with --grad_accum 2, so the per-step losses agree up to float summation order
-    common = base_args(corpus, tmp_path / "x", "--max_iters", "6", "--eval_interval", "6",
-                       "--grad_accum", "2", "--seed", "1")
-    one = tmp_path / "one"
-    two = tmp_path / "two"
-    train.main([a if a != str(tmp_path / "x") else str(one) for a in common])
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # two processes on two cores
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"),
-           *[a if a != str(tmp_path / "x") else str(two) for a in common]]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    l1 = [r["loss"] for r in read_log(one) if r["type"] == "step"]
-    l2 = [r["loss"] for r in read_log(two) if r["type"] == "step"]
+    # (bench.py --only ddp runs the same comparison on 2 GPUs)
+    import bench
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two processes on two cores
+    args = base_args(corpus, tmp_path / "unused", "--max_iters", "6", "--eval_interval", "6",
+                     "--grad_accum", "2", "--seed", "1")
+    res = bench.bench_ddp(args[:args.index("--out_dir")] + args[args.index("--out_dir") + 2:],
+                          out_dir=str(tmp_path), nproc=2)
+    l1, l2 = res["one"]["step_loss"], res["many"]["step_loss"]
     assert len(l1) == len(l2) == 6
     assert np.allclose(l1, l2, rtol=0, atol=1e-4)
-    v1 = [r["val_loss"] for r in read_log(one) if r["type"] == "eval"]
-    v2 = [r["val_loss"] for r in read_log(two) if r["type"] == "eval"]
-    assert np.allclose(v1, v2, atol=1e-4)
+    assert np.allclose(res["one"]["val_loss"], res["many"]["val_loss"], atol=1e-4)
 
 
 # =============================================================================================
