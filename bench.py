@@ -8,6 +8,7 @@ launch overhead included) measured in the same run as its baselines, reported as
     python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
     python bench.py --only train    # paper A Table 1: tokens/s, peak memory, overhead vs BF16
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
+    python bench.py --only quality --dataset D --preset small   # the papers' loss comparisons
 
 Results are printed as a table and written to results/<gpu>_<date>_<section>.json.
 """
@@ -483,6 +484,80 @@ def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
                 one=out[1], many=out[nproc], nproc=nproc)
 
 
+# ---------------------------------------------------------------------------------------------
+# quality: the papers' comparisons at small scale, same data, seeds and steps for every run
+
+QUALITY = {   # experiment -> (method, optimizer) runs
+    "pqt": [("bf16", "adamw"), ("gaussws", "adamw"), ("diffq", "adamw")],          # paper A
+    "optim": [("bf16", "fp32"), ("bf16", "torchao"), ("bf16", "zeeden"), ("bf16", "zipsr")],  # paper B
+    "combined": [("bf16", "adamw"), ("gaussws", "zipsr")],                         # A + B together
+}
+
+
+def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=QUALITY):
+    """Train every (method, optimizer) of `experiments` for each seed with the same train.py flags
+    (`train_args`: preset, dataset, steps, ...) and compare final val losses (mean over seeds).
+    For "optim" also the gap to 32-bit AdamW and the share of TorchAO's gap each method closes
+    (paper B: ZIP-SR / ZE-EDEN close 28-70 %); for "combined" the optimizer-state memory saved.
+    Runs shared between experiments are trained once. Writes loss-curve PNGs when matplotlib is
+    installed. Returns {experiment: {"method/optim": {...}}}."""
+    import train as trainer
+    runs = {}
+    for method, optim in dict.fromkeys(r for rs in experiments.values() for r in rs):
+        for seed in seeds:
+            d = os.path.join(out_dir, f"{method}_{optim}_s{seed}")
+            s = trainer.main([*train_args, "--method", method, "--optim", optim, "--seed", str(seed),
+                              "--out_dir", d, "--no-plot"])
+            runs[(method, optim, seed)] = dict(summary=s, log=os.path.join(d, "log.jsonl"))
+    res = {}
+    for exp, rs in experiments.items():
+        rows = {}
+        for method, optim in rs:
+            finals = [runs[(method, optim, s)]["summary"]["final_val_loss"] for s in seeds]
+            rows[f"{method}/{optim}"] = dict(
+                final_val_loss=finals, mean=sum(finals) / len(finals),
+                optimizer_state_mb=runs[(method, optim, seeds[0])]["summary"]["optimizer_state_mb"],
+                peak_mem_mb=runs[(method, optim, seeds[0])]["summary"]["peak_mem_mb"])
+        base = rows[f"{rs[0][0]}/{rs[0][1]}"]["mean"]
+        for r in rows.values():
+            r["gap_to_first"] = r["mean"] - base
+        if exp == "optim":
+            gap_ao = rows["bf16/torchao"]["gap_to_first"]
+            for r in rows.values():
+                r["share_of_torchao_gap_closed"] = 1 - r["gap_to_first"] / gap_ao if gap_ao else None
+        res[exp] = rows
+        print(f"[{exp}] " + "; ".join(f"{k}: {v['mean']:.4f} ({v['gap_to_first']:+.4f})" for k, v in rows.items()))
+        _plot_quality(exp, rs, seeds, runs, os.path.join(out_dir, f"{exp}.png"))
+    return dict(command=f"python bench.py --only quality  # train.py {' '.join(train_args)}",
+                seeds=list(seeds), experiments=res)
+
+
+def _plot_quality(exp, rs, seeds, runs, png):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method, optim in rs:
+        for seed in seeds:
+            with open(runs[(method, optim, seed)]["log"]) as f:
+                ev = [json.loads(x) for x in f]
+            ev = [(r["iter"], r["val_loss"]) for r in ev if r["type"] == "eval"]
+            ax.plot(*zip(*ev), marker="o", ms=3, label=f"{method}/{optim} seed {seed}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("val loss")
+    ax.set_title(exp)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    print("wrote", png)
+
+
 def save(section, result):
     os.makedirs("results", exist_ok=True)
     gpu = torch.cuda.get_device_name().replace(" ", "-")
@@ -496,10 +571,12 @@ def save(section, result):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "noise", "train", "memory", "ddp"], default=None,
-                    help="run one section (default: all but ddp, which needs 2 GPUs)")
-    ap.add_argument("--dataset", default="stdlib", help="--only ddp: train.py's --dataset")
+    ap.add_argument("--only", choices=["optim", "noise", "train", "memory", "ddp", "quality"],
+                    default=None, help="run one section (default: all but ddp and quality)")
+    ap.add_argument("--dataset", default="stdlib", help="--only ddp/quality: train.py's --dataset")
     ap.add_argument("--iters", type=int, default=300, help="--only ddp: training steps")
+    ap.add_argument("--preset", default="small", help="--only quality: model preset")
+    ap.add_argument("--tokens_per_param", type=float, default=20, help="--only quality: run length")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -514,6 +591,10 @@ def main():
         save("memory", bench_memory())
     if args.only in (None, "train"):
         save("train", bench_train())
+    if args.only == "quality":
+        save("quality", bench_quality(["--preset", args.preset, "--dataset", args.dataset,
+                                       "--tokens_per_param", str(args.tokens_per_param)],
+                                      out_dir=f"results/quality_{args.preset}"))
     if args.only == "ddp":
         if torch.cuda.device_count() < 2:
             raise SystemExit("--only ddp needs 2 GPUs")

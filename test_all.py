@@ -2140,3 +2140,22 @@ def test_gaussws_cites_the_paper_and_existing_benchmark():
     assert "python bench.py --only noise" in src
     bench = open(os.path.join(os.path.dirname(g.__file__), "bench.py"), encoding="utf-8").read()
     assert re.search(r'"--only", choices=\[[^\]]*"noise"', bench)
+
+
+def test_bench_quality_compares_runs_with_shared_baseline(corpus, tmp_path):
+    import bench
+    args = base_args(corpus, tmp_path / "unused", "--max_iters", "4", "--eval_interval", "2")
+    args = args[:args.index("--out_dir")] + args[args.index("--out_dir") + 2:]
+    exps = {"optim": [("bf16", "fp32"), ("bf16", "torchao"), ("bf16", "zipsr")],
+            "pqt": [("bf16", "fp32"), ("gaussws", "fp32")]}
+    res = bench.bench_quality(args, seeds=(0, 1), out_dir=str(tmp_path), experiments=exps)["experiments"]
+    runs = {d for d in os.listdir(tmp_path) if os.path.isdir(tmp_path / d)}
+    assert runs == {f"{r}_s{s}" for r in ("bf16_fp32", "bf16_torchao", "bf16_zipsr", "gaussws_fp32")
+                    for s in (0, 1)}                  # the shared bf16/fp32 run is trained once
+    opt = res["optim"]
+    assert opt["bf16/fp32"]["gap_to_first"] == 0.0
+    assert opt["bf16/torchao"]["share_of_torchao_gap_closed"] == pytest.approx(0.0)
+    for k, r in opt.items():
+        assert len(r["final_val_loss"]) == 2 and r["mean"] == pytest.approx(sum(r["final_val_loss"]) / 2)
+    assert res["pqt"]["bf16/fp32"]["mean"] == opt["bf16/fp32"]["mean"]
+    assert opt["bf16/zipsr"]["optimizer_state_mb"] < opt["bf16/fp32"]["optimizer_state_mb"]
