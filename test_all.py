@@ -553,6 +553,15 @@ def _set_grads(ps_a, ps_b, g, dtype=torch.float32):
         a.grad, b.grad = grad.clone(), grad.clone()
 
 
+def _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=False):
+    for a, b in zip(ref, ker):
+        if quantized_only and not o_ref.is_quantized(a):
+            continue
+        assert torch.equal(a, b)
+        for k in o_ref.state[a]:
+            assert torch.equal(o_ref.state[a][k], o_ker.state[b][k]), k
+
+
 @pytest.mark.parametrize("kw", [dict(preset="torchao"), dict(preset="zeeden"),
                                 dict(preset="zipsr", v_rounding="update-rtn")],
                          ids=["torchao", "zeeden", "update-rtn"])
@@ -563,10 +572,7 @@ def test_kernel_rtn_bit_identical_to_reference_over_steps(kw):
         _set_grads(ref, ker, g, torch.bfloat16 if step % 2 else torch.float32)
         o_ref.step()
         o_ker.step()
-    for a, b in zip(ref, ker):
-        assert torch.equal(a, b)
-        for k in o_ref.state[a]:
-            assert torch.equal(o_ref.state[a][k], o_ker.state[b][k]), k
+    _assert_twins_equal(ref, o_ref, ker, o_ker)
 
 
 @pytest.mark.parametrize("kw", [dict(preset="zipsr"), dict(preset="zipsr", m_rounding="sr"),
@@ -598,11 +604,7 @@ def test_kernel_sr_equals_reference_given_the_same_bits(kw):
             items.append((b, o_ker.state[b], 0))
             us.append(u)
         o_ker._step_quantized_triton(items, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, m_rule, u=us)
-    for a, b in zip(ref, ker):
-        if o_ref.is_quantized(a):
-            assert torch.equal(a, b)
-            for k in o_ref.state[a]:
-                assert torch.equal(o_ref.state[a][k], o_ker.state[b][k]), k
+    _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=True)
 
 
 def test_kernel_philox_sr_is_unbiased():
