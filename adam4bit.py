@@ -108,14 +108,18 @@ def unpack_nibbles(packed):
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(-1).long()
 
 
+def _check_block_size(block_size):
+    if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
+
+
 def _check_quant_args(x, block_size, rule, coord, T, bias_correction2=1.0):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a real floating-point tensor, got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
     if not 0 < bias_correction2 <= 1:
         raise ValueError(f"bias_correction2 = 1 - b2^t must be in (0, 1], got {bias_correction2}")
-    if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
+    _check_block_size(block_size)
     if x.numel() % block_size:
         raise ValueError(f"x.numel()={x.numel()} must be a multiple of block_size={block_size}")
     if rule not in ROUNDINGS:
@@ -175,8 +179,7 @@ def dequantize_blockwise(packed, scales, codebook, block_size=128):
     """
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
-    if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
+    _check_block_size(block_size)
     T = get_codebook(codebook).to(packed.device)
     if packed.numel() * 2 != scales.numel() * block_size:
         raise ValueError(f"packed ({packed.numel()} bytes) and scales ({scales.numel()}) do not "
@@ -287,8 +290,7 @@ class AdamW4bit(torch.optim.Optimizer):
         _check_hparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "")
         if not isinstance(preset, str) or preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-        if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
+        _check_block_size(block_size)
         if not isinstance(impl, str) or impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:

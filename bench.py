@@ -25,7 +25,10 @@ import adam4bit as A
 import gaussws as g
 
 
-def median_ms(fn, warmup=25, rep=100):
+def median_ms(fn, warmup=25, rep=100, graph=False):
+    """Median ms of fn (CUDA events); graph=True replays a CUDA graph (GPU time only)."""
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
@@ -170,11 +173,9 @@ BF16 = torch.bfloat16
 
 
 def _time(fn, graph=False):
-    """Median ms; graph=True replays a CUDA graph (GPU time only, no launch overhead)."""
+    """median_ms for the noise table: a failed timing becomes NaN and the table goes on."""
     try:
-        if graph:
-            return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        return median_ms(fn, warmup=10, rep=50, graph=graph)
     except Exception as e:  # keep the rest of the table
         print(f"  timing failed: {type(e).__name__}: {str(e)[:200]}")
         return float("nan")
@@ -401,6 +402,7 @@ def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
     under BF16 autocast plain training saves its cast weights just the same), measured on real
     tensors after a step, beside the arithmetic 4 + 4 + {8 | 1.0625 on eligible tensors, 8 on
     others} + 2 per block-linear param (0 for memory="recompute")."""
+    import train as trainer
     device = torch.device(device)
     rows = []
     for method, memory in (("bf16", "save"), ("gaussws", "save"), ("gaussws", "recompute"), ("diffq", "save")):
@@ -408,7 +410,7 @@ def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
             model, opt, step = _train_setup(preset, method, optim,
                                             batch, T, device, compile=False, memory=memory)
             step(zero=False)                                   # grads stay for the count
-            ps = [p for p in model.parameters()]
+            ps = list(model.parameters())
             n = sum(p.numel() for p in ps)
             # BF16 copies of the block linears' weights kept for backward: w_hat for GaussWS/DiffQ
             # in "save" mode, autocast's cast for BF16 (F.linear saves the transposed view)
@@ -425,7 +427,6 @@ def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=True):
                     model(torch.zeros(1, 8, dtype=torch.long, device=device),
                           torch.zeros(1, 8, dtype=torch.long, device=device))
-            import train as trainer
             measured = dict(weights=sum(p.numel() * p.element_size() for p in ps),
                             grads=sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None),
                             optimizer=trainer.optimizer_state_bytes(opt), bf16_weights_saved=sum(saved))

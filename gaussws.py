@@ -492,13 +492,20 @@ def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE: tl.conste
 
 
 @triton.jit
-def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, M, N, N8, TN,
-                  NOISE: tl.constexpr, BT: tl.constexpr):
-    """Step (2) of §3.5: one program = 32 rows × BT tiles. w_hat = w + R·tilemax·2^(1-b_t)."""
+def _tile_block(M, N, BT: tl.constexpr):
+    """Indices of one program's block: 32 rows x BT tiles of 32 columns, as (32, BT, 32) so that
+    axes 0 and 2 are the inside of a tile; ti (BT,) tile columns; mask covers partial edge tiles."""
     ti = tl.program_id(1) * BT + tl.arange(0, BT)
     row = tl.program_id(0) * 32 + tl.arange(0, 32)[:, None, None]
     col = ti[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    mask = (row < M) & (col < N)
+    return ti, row, col, (row < M) & (col < N)
+
+
+@triton.jit
+def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, M, N, N8, TN,
+                  NOISE: tl.constexpr, BT: tl.constexpr):
+    """Step (2) of §3.5: one program = 32 rows × BT tiles. w_hat = w + R·tilemax·2^(1-b_t)."""
+    ti, row, col, mask = _tile_block(M, N, BT)
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = tl.max(tl.max(tl.abs(w), axis=2), axis=0)                  # (BT,), edge tiles masked
     tmask = ti < TN
@@ -513,10 +520,7 @@ def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, M, N, N8,
 def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, M, N, N8, TN,
                  NOISE: tl.constexpr, BT: tl.constexpr):
     """eq. 4: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R)."""
-    ti = tl.program_id(1) * BT + tl.arange(0, BT)
-    row = tl.program_id(0) * 32 + tl.arange(0, 32)[:, None, None]
-    col = ti[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    mask = (row < M) & (col < N)
+    ti, row, col, mask = _tile_block(M, N, BT)
     g = tl.load(g_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(dw_ptr + row * N + col, _cast(g, dw_ptr.dtype.element_ty), mask=mask)
     r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
@@ -529,10 +533,8 @@ def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, M, N, N8, 
 
 @triton.jit
 def _tilemax_kernel(w_ptr, out_ptr, M, N, TN, BT: tl.constexpr):
-    ti = tl.program_id(1) * BT + tl.arange(0, BT)
-    row = tl.program_id(0) * 32 + tl.arange(0, 32)[:, None, None]
-    col = ti[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    w = tl.load(w_ptr + row * N + col, mask=(row < M) & (col < N), other=0.0).to(tl.float32)
+    ti, row, col, mask = _tile_block(M, N, BT)
+    w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = tl.max(tl.max(tl.abs(w), axis=2), axis=0)
     tl.store(out_ptr + tl.program_id(0) * TN + ti, tmax, mask=ti < TN)
 
