@@ -649,13 +649,20 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
 # ----------------------------------------------------------------------------------------------
 # autograd (eq. 4) as torch.library custom ops, so torch.compile treats them as opaque calls
 
+def _regenerate(m, n, seed, method, impl, fused):
+    """R for a call, from its seed (forward and backward alike): the torch reference, packed R
+    from kernel 1, or None where the fused GaussWS kernel draws R itself."""
+    if impl == "torch":
+        return _generate_torch(m, n, seed, method)
+    return None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
+
+
 @torch.library.custom_op("gaussws::pqn_sample", mutates_args=())
 def _pqn_sample_op(w: torch.Tensor, pow2: torch.Tensor, seed: torch.Tensor, method: str,
                    out_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    m, n = w.shape
+    noise = _regenerate(*w.shape, seed, method, impl, fused)
     if impl == "torch":
-        return _apply_torch(w, _generate_torch(m, n, seed, method), pow2, method, out_dtype)
-    noise = None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
+        return _apply_torch(w, noise, pow2, method, out_dtype)
     return _apply_triton(w, noise, pow2, seed, method, out_dtype, fused)
 
 
@@ -667,11 +674,10 @@ def _(w, pow2, seed, method, out_dtype, impl, fused):
 @torch.library.custom_op("gaussws::pqn_grad", mutates_args=())
 def _pqn_grad_op(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, method: str,
                  w_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    m, n = g.shape
     g = g.contiguous()
+    noise = _regenerate(*g.shape, seed, method, impl, fused)
     if impl == "torch":
-        return _grad_torch(g, _generate_torch(m, n, seed, method), tmax, method, w_dtype)
-    noise = None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
+        return _grad_torch(g, noise, tmax, method, w_dtype)
     return _grad_triton(g, noise, tmax, seed, method, w_dtype, fused)
 
 
