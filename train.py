@@ -84,6 +84,13 @@ def build_parser():
     g = p.add_argument_group("optimizer and schedule")
     g.add_argument("--optim", default="adamw", choices=OPTIMS,
                    help="adamw = torch AdamW (fused on CUDA); fp32/torchao/zipsr/zeeden = adam4bit presets")
+    from adam4bit import V_ROUNDINGS
+    from codebooks import CODEBOOKS
+    g.add_argument("--v_codebook", default=None, choices=tuple(CODEBOOKS),
+                   help="4-bit presets only: second-moment codebook instead of the preset's (e.g. dyn4 with "
+                        "--v_rounding state-rtn: the zero-point failure of paper B Figure 1)")
+    g.add_argument("--v_rounding", default=None, choices=V_ROUNDINGS,
+                   help="4-bit presets only: second-moment rounding rule instead of the preset's (paper B App. A.2)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate; default per preset (paper B Table 7)")
     g.add_argument("--schedule", default="wsd", choices=SCHEDULES, help="WSD: warmup, constant, 1-sqrt(u) cooldown")
     g.add_argument("--warmup_frac", type=float, default=0.1, help="share of steps in linear warmup")
@@ -181,6 +188,7 @@ def resolve_args(args, parser, cuda):
     if args.warmup_frac + args.cooldown_frac > 1:
         parser.error(f"--warmup_frac {args.warmup_frac:g} + --cooldown_frac {args.cooldown_frac:g} > 1: "
                      f"warmup and cooldown must fit in the run")
+    check_optimizer_flags(parser, args)
     from gaussws import B_MAX, B_MIN
     for name in ("b_init", "b_target"):  # GaussWSLinear's range
         check_range(parser, name, getattr(args, name), lo=B_MIN, hi=B_MAX)
@@ -253,10 +261,36 @@ def param_groups(model, weight_decay, bits_wd):
     return [g for g in groups if g["params"]]
 
 
+def optimizer_overrides(args):
+    """AdamW4bit component overrides given on the command line ({} when none): v_codebook,
+    v_rounding (None = the preset's, so they are not passed)."""
+    return {k: getattr(args, k, None) for k in ("v_codebook", "v_rounding") if getattr(args, k, None) is not None}
+
+
+def check_optimizer_flags(parser, args):
+    """parser.error (one line) when --v_codebook/--v_rounding are given with an optimizer that is
+    not an AdamW4bit preset, or form a combination AdamW4bit refuses (e.g. an update-space rule on
+    a signed codebook, or a 4-bit v with the fp32 preset's FP32 m): the optimizer is built on a
+    dummy parameter here, before any data or model."""
+    over = optimizer_overrides(args)
+    if not over:
+        return
+    flags = " ".join(f"--{k} {v}" for k, v in over.items())
+    if args.optim not in FOURBIT:
+        parser.error(f"{flags}: only for the 4-bit AdamW presets (--optim {'|'.join(FOURBIT)}), "
+                     f"not --optim {args.optim}")
+    from adam4bit import AdamW4bit
+    try:
+        AdamW4bit([torch.nn.Parameter(torch.zeros(1))], preset=args.optim, **over)
+    except (ValueError, TypeError) as e:
+        parser.error(f"{flags} with --optim {args.optim}: {e}")
+
+
 def build_optimizer(args, model, device_type):
     """The optimizer named by --optim. 4-bit presets are told which parameter is the LM head (its
     first moment switches RTN -> SR for the last 10 % of training, paper B section 4); with tied
-    embeddings that parameter is the token embedding."""
+    embeddings that parameter is the token embedding. --v_codebook / --v_rounding, when given,
+    replace the preset's second-moment codebook / rounding rule (checked by check_optimizer_flags)."""
     betas = (args.beta1, args.beta2)
     groups = param_groups(model, args.weight_decay, args.bits_wd)
     if args.optim == "adamw":
@@ -264,7 +298,7 @@ def build_optimizer(args, model, device_type):
     if args.optim in FOURBIT:
         from adam4bit import AdamW4bit
         opt = AdamW4bit(groups, lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay,
-                        preset=args.optim, seed=args.seed)
+                        preset=args.optim, seed=args.seed, **optimizer_overrides(args))
         opt.mark_lm_head(model.lm_head.weight)
         return opt
     if args.optim == "adam-mini":
