@@ -9,6 +9,8 @@ launch overhead included) measured in the same run as its baselines, reported as
     python bench.py --only train    # paper A Table 1: tokens/s, peak memory, overhead vs BF16
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
     python bench.py --only quality --dataset D --preset small   # the papers' loss comparisons
+    python bench.py --only quality --experiments pqt,zeropoint --seeds 0,1 --iters 2000 --jobs 8 \
+        --train_args "--batch_size 32"       # 8 concurrent train.py runs (CPU works too)
 
 Results are printed as a table and written to results/<gpu>_<date>_<section>.json.
 """
@@ -17,6 +19,9 @@ import datetime
 import json
 import math
 import os
+import re
+import shlex
+import sys
 
 import torch
 import triton
@@ -488,52 +493,202 @@ def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
 # ---------------------------------------------------------------------------------------------
 # quality: the papers' comparisons at small scale, same data, seeds and steps for every run
 
-QUALITY = {   # experiment -> (method, optimizer) runs
+# experiment -> runs. A run is (method, optim) or (method, optim, extra train.py flags, label);
+# runs with the same (method, optim, flags) are trained once and shared between experiments.
+QUALITY = {
     "pqt": [("bf16", "adamw"), ("gaussws", "adamw"), ("diffq", "adamw")],          # paper A
     "optim": [("bf16", "fp32"), ("bf16", "torchao"), ("bf16", "zeeden"), ("bf16", "zipsr")],  # paper B
+    # paper B Figure 1: zero-inclusive Dyn4 second moment with state-space rounding vs Update-SR
+    # (Dyn4 + Update-SR is ZIP-SR). The paper keeps m in FP32 there; AdamW4bit quantizes m (NF4,
+    # the zipsr preset's) whenever v is quantized, so only the v rule differs between these runs.
+    "zeropoint": [("bf16", "fp32"),
+                  ("bf16", "zipsr", (), "Dyn4 Update-SR (zipsr)"),
+                  ("bf16", "zipsr", ("--v_codebook", "dyn4", "--v_rounding", "state-rtn"), "Dyn4 State-RTN"),
+                  ("bf16", "zipsr", ("--v_codebook", "dyn4", "--v_rounding", "state-sr"), "Dyn4 State-SR")],
     "combined": [("bf16", "adamw"), ("gaussws", "zipsr")],                         # A + B together
 }
 
 
-def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=QUALITY):
-    """Train every (method, optimizer) of `experiments` for each seed with the same train.py flags
-    (`train_args`: preset, dataset, steps, ...) and compare final val losses (mean over seeds).
-    For "optim" also the gap to 32-bit AdamW and the share of TorchAO's gap each method closes
-    (paper B: ZIP-SR / ZE-EDEN close 28-70 %); for "combined" the optimizer-state memory saved.
-    Runs shared between experiments are trained once. Writes loss-curve PNGs when matplotlib is
-    installed. Returns {experiment: {"method/optim": {...}}}."""
+def _spec(run):
+    """(method, optim, extra flags as a tuple of str, label) of a QUALITY run."""
+    method, optim, *rest = run
+    extra = tuple(rest[0]) if rest else ()
+    label = rest[1] if len(rest) > 1 else f"{method}/{optim}" + "".join(f" {x}" for x in extra)
+    return method, optim, extra, label
+
+
+def _run_dir(out_dir, method, optim, extra, seed):
+    tag = "".join(("_" if x.startswith("--") else "-") + re.sub(r"[^\w.-]", "_", x.lstrip("-")) for x in extra)
+    return os.path.join(out_dir, f"{method}_{optim}{tag}_s{seed}")
+
+
+def _visible_gpus():
+    """CUDA device ids (as CUDA_VISIBLE_DEVICES strings) a subprocess may be pinned to; [] on CPU."""
+    if not torch.cuda.is_available():
+        return []
+    vis = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return (vis or [str(i) for i in range(torch.cuda.device_count())])[:torch.cuda.device_count()]
+
+
+def _prepare_data(argv):
+    """Check the flags and prepare the dataset once, as train.py would (so concurrent runs do not
+    race to write the same data folder)."""
+    import data as datamod
     import train as trainer
-    runs = {}
-    for method, optim in dict.fromkeys(r for rs in experiments.values() for r in rs):
+    p = trainer.build_parser()
+    a = p.parse_args(argv)
+    trainer.resolve_args(a, p, a.device != "cpu" and torch.cuda.is_available())
+    datamod.prepare(a.dataset, a.tokenizer, data_dir=a.data_dir, max_tokens=a.max_tokens)
+
+
+def _train_inprocess(argv, d):
+    """One run in this process; a diverged run (train.py's RunError on a NaN/inf loss) is left in
+    its log and reported, not raised."""
+    import train as trainer
+    try:
+        trainer.main(argv)
+    except trainer.RunError as e:
+        if "diverged" not in str(e):
+            raise
+        print(f"[quality] {d}: {e}")
+
+
+def _train_subprocesses(todo, jobs):
+    """Run `python train.py ARGV` for each (argv, out_dir) of todo, `jobs` at a time; with more than
+    one visible GPU each run gets the least-loaded one (CUDA_VISIBLE_DEVICES; round-robin when the
+    runs take equal time). A run's output goes to out_dir/train.out. Returns {out_dir: message}
+    for runs that failed other than by diverging (their train.py exited non-zero without an
+    "error" record in log.jsonl)."""
+    import subprocess
+    import sys
+    import time
+    here = os.path.dirname(os.path.abspath(__file__))
+    gpus, queue, running, failed = _visible_gpus(), list(todo), [], {}
+    while queue or running:
+        while queue and len(running) < jobs:
+            argv, d = queue.pop(0)
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            gpu = None
+            if len(gpus) > 1:
+                load = {x: sum(r[2] == x for r in running) for x in gpus}
+                gpu = min(gpus, key=load.get)
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+            elif not gpus and "OMP_NUM_THREADS" not in env:   # CPU: share the cores
+                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+            os.makedirs(d, exist_ok=True)
+            fh = open(os.path.join(d, "train.out"), "w")
+            p = subprocess.Popen([sys.executable, os.path.join(here, "train.py"), *argv],
+                                 stdout=fh, stderr=subprocess.STDOUT, env=env)
+            running.append((p, d, gpu, fh, time.time()))
+            print(f"[quality] started {d}" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
+        time.sleep(0.2)
+        for r in [r for r in running if r[0].poll() is not None]:
+            p, d, gpu, fh, t0 = r
+            fh.close()
+            running.remove(r)
+            status = "done"
+            if p.returncode:
+                import train as trainer
+                if any(x.get("type") == "error" for x in trainer.read_log(os.path.join(d, "log.jsonl"))):
+                    status = "diverged"
+                else:
+                    with open(os.path.join(d, "train.out")) as f:
+                        failed[d] = f"exit {p.returncode}: " + f.read()[-2000:]
+                    status = f"FAILED (exit {p.returncode}, see {d}/train.out)"
+            print(f"[quality] {status} {d} ({time.time() - t0:.0f} s)", flush=True)
+    return failed
+
+
+def _read_run(d):
+    """Numbers of a finished (or diverged) run from its log.jsonl."""
+    import train as trainer
+    recs = trainer.read_log(os.path.join(d, "log.jsonl"))
+    s = next((r for r in reversed(recs) if r.get("type") == "summary"), None) or {}
+    err = next((r for r in reversed(recs) if r.get("type") == "error"), None)
+    steps = [r["loss"] for r in recs if r.get("type") == "step"]
+    tail = steps[-max(1, len(steps) // 10):]
+    return dict(dir=d, log=os.path.join(d, "log.jsonl"), diverged_at=err["iter"] if err else None,
+                final_val_loss=s.get("final_val_loss"), optimizer_state_mb=s.get("optimizer_state_mb"),
+                peak_mem_mb=s.get("peak_mem_mb"), tokens_per_s=s.get("tokens_per_s"),
+                # mean training loss over the last 10 % of steps (None for a diverged run)
+                final_train_loss=sum(tail) / len(tail) if steps and not err else None)
+
+
+def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=QUALITY, jobs=1,
+                  cast=True, command=None):
+    """Train every run of `experiments` for each seed with the same train.py flags (`train_args`:
+    preset, dataset, steps, ...) and compare final val losses (mean over seeds).
+    For "optim" also the gap to 32-bit AdamW and the share of TorchAO's gap each method closes
+    (paper B: ZIP-SR / ZE-EDEN close 28-70 %); for "zeropoint" (paper B Figure 1) the training-loss
+    curves, where a diverged run (NaN/inf loss) is recorded with its step instead of stopping the
+    bench. With an experiment "pqt" and cast=True also experiment 5 (bench_cast: val loss before
+    and after casting tiles to their Table C formats) and the Figure 5 bitwidth chart.
+    jobs=1 trains in this process; jobs>1 runs that many `python train.py` subprocesses at once,
+    spread over the visible GPUs. Runs shared between experiments are trained once.
+    Writes loss-curve PNGs when matplotlib is installed.
+    Returns {"command", "seeds", "experiments": {experiment: {label: {...}}}, "cast", "bitwidth",
+    "failed_runs"}."""
+    runs, todo = {}, []
+    for run in dict.fromkeys(_spec(r)[:3] for rs in experiments.values() for r in rs):
         for seed in seeds:
-            d = os.path.join(out_dir, f"{method}_{optim}_s{seed}")
-            s = trainer.main([*train_args, "--method", method, "--optim", optim, "--seed", str(seed),
-                              "--out_dir", d, "--no-plot"])
-            runs[(method, optim, seed)] = dict(summary=s, log=os.path.join(d, "log.jsonl"))
+            d = _run_dir(out_dir, *run, seed)
+            argv = [*train_args, "--method", run[0], "--optim", run[1], *run[2], "--seed", str(seed),
+                    "--out_dir", d, "--no-plot"]
+            runs[(*run, seed)] = d
+            todo.append((argv, d))
+    failed = {}
+    if jobs > 1:
+        _prepare_data(todo[0][0])
+        failed = _train_subprocesses(todo, jobs)
+    else:
+        for argv, d in todo:
+            _train_inprocess(argv, d)
+    runs = {k: _read_run(d) for k, d in runs.items()}
     res = {}
     for exp, rs in experiments.items():
         rows = {}
-        for method, optim in rs:
-            finals = [runs[(method, optim, s)]["summary"]["final_val_loss"] for s in seeds]
-            rows[f"{method}/{optim}"] = dict(
-                final_val_loss=finals, mean=sum(finals) / len(finals),
-                optimizer_state_mb=runs[(method, optim, seeds[0])]["summary"]["optimizer_state_mb"],
-                peak_mem_mb=runs[(method, optim, seeds[0])]["summary"]["peak_mem_mb"])
-        base = rows[f"{rs[0][0]}/{rs[0][1]}"]["mean"]
+        for run in rs:
+            method, optim, extra, label = _spec(run)
+            per = [runs[(method, optim, extra, s)] for s in seeds]
+            finals = [r["final_val_loss"] for r in per]
+            ok = all(x is not None and math.isfinite(x) for x in finals)
+            rows[label] = dict(
+                method=method, optim=optim, flags=list(extra), final_val_loss=finals,
+                mean=sum(finals) / len(finals) if ok else None,
+                final_train_loss=[r["final_train_loss"] for r in per],
+                diverged_at=[r["diverged_at"] for r in per],
+                **{k: per[0][k] for k in ("optimizer_state_mb", "peak_mem_mb", "tokens_per_s")})
+        base = rows[_spec(rs[0])[3]]["mean"]
         for r in rows.values():
-            r["gap_to_first"] = r["mean"] - base
-        if exp == "optim":
+            r["gap_to_first"] = r["mean"] - base if r["mean"] is not None and base is not None else None
+        if exp == "optim" and "bf16/torchao" in rows:
             gap_ao = rows["bf16/torchao"]["gap_to_first"]
             for r in rows.values():
-                r["share_of_torchao_gap_closed"] = 1 - r["gap_to_first"] / gap_ao if gap_ao else None
+                r["share_of_torchao_gap_closed"] = (1 - r["gap_to_first"] / gap_ao
+                                                    if gap_ao and r["gap_to_first"] is not None else None)
         res[exp] = rows
-        print(f"[{exp}] " + "; ".join(f"{k}: {v['mean']:.4f} ({v['gap_to_first']:+.4f})" for k, v in rows.items()))
-        _plot_quality(exp, rs, seeds, runs, os.path.join(out_dir, f"{exp}.png"))
-    return dict(command=f"python bench.py --only quality  # train.py {' '.join(train_args)}",
-                seeds=list(seeds), experiments=res)
+        print(f"[{exp}] " + "; ".join(
+            f"{k}: " + (f"{v['mean']:.4f} ({v['gap_to_first']:+.4f})" if v["gap_to_first"] is not None else
+                        f"{v['mean']}" if v["mean"] is not None else
+                        "diverged at step " + ", ".join(str(x) for x in v["diverged_at"]))
+            for k, v in rows.items()))
+        _plot_quality(exp, rs, seeds, runs, os.path.join(out_dir, f"{exp}.png"), train_loss=exp == "zeropoint")
+    out = dict(command=command or f"python bench.py --only quality  # train.py {' '.join(train_args)}",
+               seeds=list(seeds), experiments=res)
+    if cast and "pqt" in experiments:
+        pqt = [(_spec(r), s) for r in experiments["pqt"] for s in seeds]
+        done = [(f"{sp[3]} s{s}", runs[(*sp[:3], s)]["dir"]) for sp, s in pqt
+                if runs[(*sp[:3], s)]["final_val_loss"] is not None]
+        out["cast"], out["bitwidth"] = bench_cast(done, os.path.join(out_dir, "bitwidth.png"))
+    out["failed_runs"] = failed
+    for d, msg in failed.items():
+        print(f"[quality] run {d} FAILED: {msg[-500:]}")
+    return out
 
 
-def _plot_quality(exp, rs, seeds, runs, png):
+def _plot_quality(exp, rs, seeds, runs, png, train_loss=False):
+    """Val-loss curves of an experiment's runs (train_loss=True: the per-step training loss,
+    smoothed by a moving average over 2 % of the steps, as in paper B Figure 1)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -541,16 +696,212 @@ def _plot_quality(exp, rs, seeds, runs, png):
     except ImportError:
         print("(matplotlib not installed: no plot)")
         return
+    import train as trainer
     fig, ax = plt.subplots(figsize=(7, 4))
-    for method, optim in rs:
+    top = None
+    for run in rs:
+        method, optim, extra, label = _spec(run)
         for seed in seeds:
-            with open(runs[(method, optim, seed)]["log"]) as f:
-                ev = [json.loads(x) for x in f]
-            ev = [(r["iter"], r["val_loss"]) for r in ev if r["type"] == "eval"]
-            ax.plot(*zip(*ev), marker="o", ms=3, label=f"{method}/{optim} seed {seed}")
+            recs = trainer.read_log(runs[(method, optim, extra, seed)]["log"])
+            if train_loss:
+                pts = [(r["iter"], r["loss"]) for r in recs if r.get("type") == "step"]
+                k = max(1, len(pts) // 50)
+                pts = [(pts[i][0], sum(p[1] for p in pts[max(0, i - k + 1):i + 1]) / len(pts[max(0, i - k + 1):i + 1]))
+                       for i in range(len(pts))]
+                if pts and top is None:            # y range: the first run's curve after its first steps
+                    top = max(p[1] for p in pts[len(pts) // 20:]) if len(pts) > 20 else max(p[1] for p in pts)
+                if pts:
+                    ax.plot(*zip(*pts), lw=1, label=f"{label} seed {seed}")
+            else:
+                pts = [(r["iter"], r["val_loss"]) for r in recs if r.get("type") == "eval"]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=f"{label} seed {seed}")
+    if top is not None and math.isfinite(top):
+        ax.set_ylim(top=top * 1.05)
     ax.set_xlabel("step")
-    ax.set_ylabel("val loss")
+    ax.set_ylabel("training loss (smoothed)" if train_loss else "val loss")
     ax.set_title(exp)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    print("wrote", png)
+
+
+# ---- experiment 5: cast tiles to the FP formats of paper A Table C
+
+# (largest b_t, name as gaussws.fp_tier gives it, exponent bits, mantissa bits): paper A §3.3,
+# Prop. 4 and Table C; tiles above 12 bits keep their FP32 weights.
+FP_TIERS = ((5, "FP8 e3m4", 3, 4), (9, "FP12 e4m7", 4, 7), (12, "FP16 e5m10", 5, 10))
+
+
+def _fp_limits(exp_bits, man_bits, inf_nan=True):
+    """(emin, emax, largest finite) of a binary FP format with bias 2^(exp_bits-1) - 1."""
+    bias = 2 ** (exp_bits - 1) - 1
+    emax = 2 ** exp_bits - (2 if inf_nan else 1) - bias
+    return 1 - bias, emax, (2 - 2.0 ** -man_bits) * 2.0 ** emax
+
+
+def cast_fp(x, exp_bits, man_bits, inf_nan=True):
+    """Round x (float tensor, any shape/device) to the nearest value of the binary floating-point
+    format with `exp_bits` exponent and `man_bits` mantissa bits, ties to even, with subnormals;
+    magnitudes beyond the largest finite value (and +-inf) saturate to it. The format has
+    exponent bias 2^(exp_bits-1) - 1; inf_nan=True reserves the all-ones exponent for inf/NaN as
+    IEEE 754 does (the Table C formats of paper A count "a range for NaN/Inf", Prop. 4:
+    e5m10 = IEEE FP16, e3m4, e4m7), inf_nan=False uses it for finite values (OCP FP4 E2M1:
+    0, 0.5, 1, 1.5, 2, 3, 4, 6). NaN stays NaN. Returns the values in x's dtype (exact for float32
+    and float64 inputs; the rounding is done in float64).
+    Raises ValueError unless exp_bits is an int in [1, 8] and man_bits an int in [0, 23]
+    (exp_bits 1 needs inf_nan=False)."""
+    for name, v, lo, hi in (("exp_bits", exp_bits, 1, 8), ("man_bits", man_bits, 0, 23)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"cast_fp: {name}={v!r} must be an int in [{lo}, {hi}]")
+    if exp_bits == 1 and inf_nan:
+        raise ValueError("cast_fp: exp_bits=1 with inf_nan=True leaves no finite normal exponent; "
+                         "use inf_nan=False")
+    emin, _, top = _fp_limits(exp_bits, man_bits, inf_nan)
+    a = x.detach().double().abs()
+    _, ex = torch.frexp(a)                    # a = f * 2^ex, f in [0.5, 1): exponent = ex - 1
+    step = torch.exp2((ex - 1).clamp(min=emin).double() - man_bits)   # grid spacing in a's binade
+    q = (torch.round(a / step) * step).clamp(max=top)                 # torch.round: half to even
+    return torch.where(torch.isnan(a), a, q).copysign(x.detach().double()).to(x.dtype)
+
+
+def _tile_grid_of(t, m, n):
+    """Broadcast a per-tile tensor (ceil(m/32), ceil(n/32)) to (m, n)."""
+    return t.repeat_interleave(g.TILE, 0)[:m].repeat_interleave(g.TILE, 1)[:, :n]
+
+
+def cast_tiles(w, exp_bits, man_bits):
+    """Every 32x32 tile of w (m, n) cast to FP(exp_bits, man_bits) with its own power-of-two scale
+    (MX-style shared exponent): the tile's absmax lands in the format's top binade, so the largest
+    magnitude stays representable (to the format's precision; at most it saturates to the largest
+    finite value) and the format's exponent range spans downward from it, as Prop. 4 counts it.
+    All-zero tiles stay zero. Returns a new tensor of w's dtype."""
+    m, n = w.shape
+    tm, tn = g.tile_grid(m, n)
+    pad = torch.zeros(tm * g.TILE, tn * g.TILE, dtype=torch.float64, device=w.device)
+    pad[:m, :n] = w.detach().abs()
+    amax = pad.view(tm, g.TILE, tn, g.TILE).amax(dim=(1, 3))
+    _, ex = torch.frexp(amax)
+    emax = _fp_limits(exp_bits, man_bits)[1]
+    scale = _tile_grid_of(torch.where(amax > 0, torch.exp2((ex - 1 - emax).double()), 1.0), m, n)
+    return (cast_fp(w.detach().double() / scale, exp_bits, man_bits) * scale).to(w.dtype)
+
+
+@torch.no_grad()
+def cast_to_tiers(model):
+    """In place: the weight of every GaussWSLinear of `model` cast tile by tile to the paper A
+    Table C format its bitwidth calls for (b_t of eq. 11 clamped to [B_MIN, B_MAX], as sampling
+    uses it): b_t <= 5 -> FP8 e3m4, <= 9 -> FP12 e4m7, <= 12 -> FP16 e5m10, above: kept (FP32).
+    Returns {format name: share of those layers' weight parameters}, ">FP16" for the kept ones."""
+    counts = {name: 0 for _, name, _, _ in FP_TIERS} | {">FP16": 0}
+    for _, layer in g.pqt_layers(model):
+        w = layer.weight
+        m, n = w.shape
+        bt = _tile_grid_of(layer.b_t.detach().clamp(g.B_MIN, g.B_MAX), m, n)
+        out, lo = w.detach().clone(), -math.inf
+        for limit, name, e, mb in FP_TIERS:
+            mask = (bt > lo) & (bt <= limit)
+            if mask.any():
+                out = torch.where(mask, cast_tiles(w, e, mb), out)
+            counts[name] += int(mask.sum())
+            lo = limit
+        counts[">FP16"] += int((bt > lo).sum())
+        w.copy_(out)
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.items()}
+
+
+def load_run(run_dir, device="cpu"):
+    """(model in eval mode on device, run config, val()) from run_dir/ckpt.pt of a train.py run;
+    val() is the run's validation loss (train.evaluate on its windows, batch size, autocast dtype).
+    In eval mode GaussWSLinear layers use their weights w as they are (no noise)."""
+    import contextlib
+    import data as datamod
+    import train as trainer
+    from model import GPT, GPTConfig
+    ck = trainer.load_checkpoint(os.path.join(run_dir, "ckpt.pt"))
+    c = ck["config"]
+    model = GPT(GPTConfig(**ck["model_config"]))
+    if c["method"] != "bf16":
+        g.apply_pqt(model, method=c["method"], parts=c["parts"], b_init=c["b_init"], b_target=c["b_target"],
+                    seed=c["seed"], memory=c["pqt_memory"])
+    model.load_state_dict(ck["model"])
+    device = torch.device(device)
+    model.to(device).eval()
+    folder = datamod.prepare(c["dataset"], c["tokenizer"], data_dir=c["data_dir"], max_tokens=c["max_tokens"],
+                             verbose=False)
+    batches = datamod.Batches(folder, c["block_size"], seed=c["seed"])
+    ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if c["dtype"] == "bfloat16"
+           else contextlib.nullcontext())
+    return model, c, lambda: trainer.evaluate(model, batches, c["eval_windows"], c["batch_size"], ctx, device)
+
+
+def bench_cast(run_dirs, png=None, device=None):
+    """Experiment 5 and paper A Figure 5 on finished runs [(label, run_dir)]: val loss of the
+    plain weights w before and after cast_to_tiers. GaussWS/DiffQ runs use each tile's learned b_t;
+    a BF16 run is the control: its same layers (--parts) are cast at the fixed b_target tier
+    (does PQT training make the model more tolerant than plain training?).
+    Returns (cast rows {label: {val_loss_before, val_loss_after, delta, tier_share, tiers}},
+    bitwidth {label: Figure 5 statistics of the learned b_t, gaussws.bitwidth_stats}); the first
+    GaussWS run's per-layer b_t is drawn to `png` (mean, +-std, min-max)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows, bits, drawn = {}, {}, False
+    for label, d in run_dirs:
+        model, c, val = load_run(d, device)
+        before = val()
+        if c["method"] == "bf16":
+            g.apply_pqt(model, parts=c["parts"], b_init=c["b_target"], b_target=c["b_target"])
+            model.eval()
+            tiers = f"fixed b_target {c['b_target']:g}"
+        else:
+            stats = g.bitwidth_stats(model)
+            bits[label] = dict(method=c["method"], layers={k: v for k, v in stats.items() if k != "all"},
+                               **{k: stats["all"][k] for k in ("mean", "std", "min", "max", "share_le5",
+                                                             "share_le9", "share_le12")})
+            tiers = "learned b_t"
+            if png and c["method"] == "gaussws" and not drawn:
+                _plot_bitwidth(stats, png, f"{label}: learned b_t per layer (paper A Figure 5)")
+                drawn = True
+        share = cast_to_tiers(model)
+        after = val()
+        rows[label] = dict(val_loss_before=before, val_loss_after=after, delta=after - before,
+                           tier_share=share, tiers=tiers)
+        print(f"[cast] {label} ({tiers}): val loss {before:.4f} -> {after:.4f} ({after - before:+.4f}); "
+              + ", ".join(f"{k} {v:.1%}" for k, v in share.items() if v))
+        del model
+    return rows, bits
+
+
+def _plot_bitwidth(stats, png, title):
+    """Paper A Figure 5: per PQT layer (in model order) the mean learned b_t with +-std (thick)
+    and min-max (thin) bars, and the Table C tier limits 5/9/12 bits."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    names = [k for k in stats if k != "all"]
+    x = range(len(names))
+    mean = [stats[k]["mean"] for k in names]
+    fig, ax = plt.subplots(figsize=(max(6, 0.25 * len(names)), 4))
+    ax.errorbar(x, mean, yerr=[[m - stats[k]["min"] for m, k in zip(mean, names)],
+                               [stats[k]["max"] - m for m, k in zip(mean, names)]],
+                fmt="none", ecolor="gray", elinewidth=0.8, capsize=2, label="min-max")
+    ax.errorbar(x, mean, yerr=[stats[k]["std"] for k in names], fmt="o", ms=3, elinewidth=2.5,
+                label="mean +- std")
+    for lim in (5, 9, 12):
+        ax.axhline(lim, ls=":", lw=0.8, color="k")
+    a = stats["all"]
+    ax.set_title(title + f"\nparams at <=5 / <=9 / <=12 bits: {a['share_le5']:.1%} / {a['share_le9']:.1%} / "
+                 f"{a['share_le12']:.1%}", fontsize=9)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([k.replace("blocks.", "") for k in names], rotation=90, fontsize=6)
+    ax.set_ylabel("b_t (bits)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -561,12 +912,12 @@ def _plot_quality(exp, rs, seeds, runs, png):
 
 def save(section, result):
     os.makedirs("results", exist_ok=True)
-    gpu = torch.cuda.get_device_name().replace(" ", "-")
+    gpu = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
     date = datetime.date.today().isoformat()
     path = f"results/{gpu}_{date}_{section}.json"
-    with open(path, "w") as f:
-        json.dump(dict(gpu=gpu, date=date, torch=torch.__version__, triton=triton.__version__,
-                       command=f"python bench.py --only {section}", **result), f, indent=1)
+    with open(path, "w") as f:   # a result's own "command" (the full command line) wins
+        json.dump({"gpu": gpu, "date": date, "torch": torch.__version__, "triton": triton.__version__,
+                   "command": f"python bench.py --only {section}", **result}, f, indent=1)
     print("wrote", path)
 
 
@@ -575,12 +926,37 @@ def main():
     ap.add_argument("--only", choices=["optim", "noise", "train", "memory", "ddp", "quality"],
                     default=None, help="run one section (default: all but ddp and quality)")
     ap.add_argument("--dataset", default="stdlib", help="--only ddp/quality: train.py's --dataset")
-    ap.add_argument("--iters", type=int, default=300, help="--only ddp: training steps")
+    ap.add_argument("--iters", type=int, default=None,
+                    help="--only ddp: training steps (default 300); --only quality: train.py --max_iters "
+                         "instead of --tokens_per_param")
     ap.add_argument("--preset", default="small", help="--only quality: model preset")
     ap.add_argument("--tokens_per_param", type=float, default=20, help="--only quality: run length")
+    ap.add_argument("--experiments", default=",".join(QUALITY),
+                    help=f"--only quality: comma list of {','.join(QUALITY)} (pqt adds the Table C cast "
+                         "and the Figure 5 chart)")
+    ap.add_argument("--seeds", default="0,1", help="--only quality: comma list of seeds")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="--only quality: concurrent train.py subprocesses (spread over visible GPUs); "
+                         "1 = train in this process")
+    ap.add_argument("--train_args", default="",
+                    help='--only quality: extra train.py flags for every run, e.g. "--batch_size 32 --block_size 256"')
+    ap.add_argument("--out_dir", default=None,
+                    help="--only quality: run folders and plots; default results/quality_[cpu_]<preset>")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.only == "quality":
+        exps = [x for x in args.experiments.split(",") if x]
+        bad = [x for x in exps if x not in QUALITY]
+        if bad or not exps:
+            ap.error(f"--experiments {args.experiments!r}: unknown {', '.join(bad) or '(empty)'}; "
+                     f"allowed: comma list of {', '.join(QUALITY)}")
+        try:
+            seeds = [int(x) for x in args.seeds.split(",")]
+        except ValueError:
+            ap.error(f"--seeds {args.seeds!r}: must be a comma list of integers, e.g. 0,1")
+        if args.jobs < 1:
+            ap.error(f"--jobs {args.jobs}: must be an integer >= 1")
+    elif not torch.cuda.is_available():   # --only quality is training runs: CPU works (slowly)
         raise SystemExit("bench.py needs a CUDA GPU (the tests cover correctness on CPU)")
     if args.only in (None, "optim"):
         res = dict(check=check_optim_gpu(), **bench_optim(args.quick))
@@ -593,14 +969,19 @@ def main():
     if args.only in (None, "train"):
         save("train", bench_train())
     if args.only == "quality":
-        save("quality", bench_quality(["--preset", args.preset, "--dataset", args.dataset,
-                                       "--tokens_per_param", str(args.tokens_per_param)],
-                                      out_dir=f"results/quality_{args.preset}"))
+        length = ["--max_iters", str(args.iters)] if args.iters else ["--tokens_per_param", str(args.tokens_per_param)]
+        out_dir = args.out_dir or f"results/quality_{'' if torch.cuda.is_available() else 'cpu_'}{args.preset}"
+        res = bench_quality(["--preset", args.preset, "--dataset", args.dataset, *length, *shlex.split(args.train_args)],
+                            seeds=seeds, out_dir=out_dir, experiments={k: QUALITY[k] for k in exps},
+                            jobs=args.jobs, command="python bench.py " + shlex.join(sys.argv[1:]))
+        save("quality", res)
+        if res["failed_runs"]:
+            raise SystemExit(f"{len(res['failed_runs'])} quality run(s) failed: {', '.join(res['failed_runs'])}")
     if args.only == "ddp":
         if torch.cuda.device_count() < 2:
             raise SystemExit("--only ddp needs 2 GPUs")
         save("ddp", bench_ddp(["--preset", "gpt2-124m", "--dataset", args.dataset, "--batch_size", "16",
-                               "--grad_accum", "2", "--max_iters", str(args.iters), "--eval_interval", "50",
+                               "--grad_accum", "2", "--max_iters", str(args.iters or 300), "--eval_interval", "50",
                                "--eval_windows", "64", "--no-plot"]))
 
 
