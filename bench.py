@@ -615,7 +615,7 @@ def _read_run(d):
 
 
 def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=QUALITY, jobs=1,
-                  cast=True, command=None):
+                  cast=True, command=None, resume=False):
     """Train every run of `experiments` for each seed with the same train.py flags (`train_args`:
     preset, dataset, steps, ...) and compare final val losses (mean over seeds).
     For "optim" also the gap to 32-bit AdamW and the share of TorchAO's gap each method closes
@@ -625,6 +625,9 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     and after casting tiles to their Table C formats) and the Figure 5 bitwidth chart.
     jobs=1 trains in this process; jobs>1 runs that many `python train.py` subprocesses at once,
     spread over the visible GPUs. Runs shared between experiments are trained once.
+    resume=True passes train.py --resume to every run that has a checkpoint: finished runs are
+    read back as they are, interrupted ones continue (train.py refuses a changed configuration),
+    so the bench can be spread over several sessions.
     Writes loss-curve PNGs when matplotlib is installed.
     Returns {"command", "seeds", "experiments": {experiment: {label: {...}}}, "cast", "bitwidth",
     "failed_runs"}."""
@@ -634,6 +637,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             d = _run_dir(out_dir, *run, seed)
             argv = [*train_args, "--method", run[0], "--optim", run[1], *run[2], "--seed", str(seed),
                     "--out_dir", d, "--no-plot"]
+            if resume and os.path.exists(os.path.join(d, "ckpt.pt")):
+                argv.append("--resume")
             runs[(*run, seed)] = d
             todo.append((argv, d))
     failed = {}
@@ -942,6 +947,8 @@ def main():
                     help='--only quality: extra train.py flags for every run, e.g. "--batch_size 32 --block_size 256"')
     ap.add_argument("--out_dir", default=None,
                     help="--only quality: run folders and plots; default results/quality_[cpu_]<preset>")
+    ap.add_argument("--resume", action="store_true",
+                    help="--only quality: runs with a checkpoint in --out_dir continue (finished ones are reused)")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
     args = ap.parse_args()
     if args.only == "quality":
@@ -973,7 +980,8 @@ def main():
         out_dir = args.out_dir or f"results/quality_{'' if torch.cuda.is_available() else 'cpu_'}{args.preset}"
         res = bench_quality(["--preset", args.preset, "--dataset", args.dataset, *length, *shlex.split(args.train_args)],
                             seeds=seeds, out_dir=out_dir, experiments={k: QUALITY[k] for k in exps},
-                            jobs=args.jobs, command="python bench.py " + shlex.join(sys.argv[1:]))
+                            jobs=args.jobs, resume=args.resume,
+                            command="python bench.py " + shlex.join(sys.argv[1:]))
         save("quality", res)
         if res["failed_runs"]:
             raise SystemExit(f"{len(res['failed_runs'])} quality run(s) failed: {', '.join(res['failed_runs'])}")

@@ -258,7 +258,7 @@ def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
         assert os.path.getsize(tmp_path / png) > 0
 
 
-def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch):
+def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
     # --only quality runs on CPU; the JSON keeps the full command; --iters -> --max_iters
     text, data_dir = corpus
     monkeypatch.chdir(tmp_path)
@@ -273,6 +273,15 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch):
     assert set(res["experiments"]) == {"pqt"} and res["seeds"] == [3]
     assert set(res["experiments"]["pqt"]) == {"bf16/adamw", "gaussws/adamw", "diffq/adamw"}
     assert trainer.read_log(os.path.join("results", "quality_cpu_nano", "bf16_adamw_s3", "log.jsonl"))[-1]["iters"] == 2
+    # --resume: finished runs are read back, not trained again (their logs stay as they are)
+    log = os.path.join("results", "quality_cpu_nano", "gaussws_adamw_s3", "log.jsonl")
+    before = open(log).read()
+    monkeypatch.setattr(sys, "argv", ["bench.py", *argv, "--resume"])
+    capsys.readouterr()
+    bench.main()
+    assert capsys.readouterr().out.count("the run is finished; nothing to do") == 3
+    assert open(log).read() == before
+    assert json.load(open(path))["experiments"] == res["experiments"]
     for bad in (["--experiments", "pqt,nope"], ["--seeds", "0,x"], ["--jobs", "0"]):
         monkeypatch.setattr(sys, "argv", ["bench.py", *argv, *bad])
         with pytest.raises(SystemExit) as e:
