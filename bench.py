@@ -564,38 +564,42 @@ def _train_subprocesses(todo, jobs):
     import time
     here = os.path.dirname(os.path.abspath(__file__))
     gpus, queue, running, failed = _visible_gpus(), list(todo), [], {}
-    while queue or running:
-        while queue and len(running) < jobs:
-            argv, d = queue.pop(0)
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            gpu = None
-            if len(gpus) > 1:
-                load = {x: sum(r[2] == x for r in running) for x in gpus}
-                gpu = min(gpus, key=load.get)
-                env["CUDA_VISIBLE_DEVICES"] = gpu
-            elif not gpus and "OMP_NUM_THREADS" not in env:   # CPU: share the cores
-                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
-            os.makedirs(d, exist_ok=True)
-            fh = open(os.path.join(d, "train.out"), "w")
-            p = subprocess.Popen([sys.executable, os.path.join(here, "train.py"), *argv],
-                                 stdout=fh, stderr=subprocess.STDOUT, env=env)
-            running.append((p, d, gpu, fh, time.time()))
-            print(f"[quality] started {d}" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
-        time.sleep(0.2)
-        for r in [r for r in running if r[0].poll() is not None]:
-            p, d, gpu, fh, t0 = r
-            fh.close()
-            running.remove(r)
-            status = "done"
-            if p.returncode:
-                import train as trainer
-                if any(x.get("type") == "error" for x in trainer.read_log(os.path.join(d, "log.jsonl"))):
-                    status = "diverged"
-                else:
-                    with open(os.path.join(d, "train.out")) as f:
-                        failed[d] = f"exit {p.returncode}: " + f.read()[-2000:]
-                    status = f"FAILED (exit {p.returncode}, see {d}/train.out)"
-            print(f"[quality] {status} {d} ({time.time() - t0:.0f} s)", flush=True)
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                argv, d = queue.pop(0)
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                gpu = None
+                if len(gpus) > 1:
+                    load = {x: sum(r[2] == x for r in running) for x in gpus}
+                    gpu = min(gpus, key=load.get)
+                    env["CUDA_VISIBLE_DEVICES"] = gpu
+                elif not gpus and "OMP_NUM_THREADS" not in env:   # CPU: share the cores
+                    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+                os.makedirs(d, exist_ok=True)
+                fh = open(os.path.join(d, "train.out"), "w")
+                p = subprocess.Popen([sys.executable, os.path.join(here, "train.py"), *argv],
+                                     stdout=fh, stderr=subprocess.STDOUT, env=env)
+                running.append((p, d, gpu, fh, time.time()))
+                print(f"[quality] started {d}" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
+            time.sleep(0.2)
+            for r in [r for r in running if r[0].poll() is not None]:
+                p, d, gpu, fh, t0 = r
+                fh.close()
+                running.remove(r)
+                status = "done"
+                if p.returncode:
+                    import train as trainer
+                    if any(x.get("type") == "error" for x in trainer.read_log(os.path.join(d, "log.jsonl"))):
+                        status = "diverged"
+                    else:
+                        with open(os.path.join(d, "train.out")) as f:
+                            failed[d] = f"exit {p.returncode}: " + f.read()[-2000:]
+                        status = f"FAILED (exit {p.returncode}, see {d}/train.out)"
+                print(f"[quality] {status} {d} ({time.time() - t0:.0f} s)", flush=True)
+    finally:   # interrupted (Ctrl-C, a time limit): do not leave runs behind
+        for p, *_ in running:
+            p.terminate()
     return failed
 
 
