@@ -206,6 +206,29 @@ V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
 IMPLS = ("auto", "torch", "triton")
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
 KERNEL_ELEMS, KERNEL_WARPS = 128, 1    # elements per Triton program, warps (best of a sweep on H200)
+LUT_BUCKETS = 1024                     # buckets of y = x / s over [-1, 1] in the kernel's level search
+_LUT_N = tl.constexpr(LUT_BUCKETS)     # the same, as Triton kernels may read it
+
+
+def _level_lut(T, n=LUT_BUCKETS, margin=2.0 ** -12):
+    """Start of the Triton kernel's level search for a sorted codebook T (K values in [-1, 1]).
+
+    Bucket j of y = x / s covers [e_j, e_j+1), e_j = -1 + 2j/n. lut[j] = #{k in 1..K-2 :
+    T[k] <= e_j - margin} counts the inner levels surely below any y of the bucket, and at most
+    one more inner level can lie in [e_j - margin, e_j+1 + margin), so the exact index
+    max{k <= K-2 : s T[k] <= x} is lut[j] or lut[j] + 1 (the margin, 2^-12, covers the float32
+    error of computing y as x * (1/s), ~1e-7). Returns int32 (n,). Raises ValueError if two
+    levels are closer than one bucket plus margins (every paper codebook is >= 0.0032 apart;
+    a bucket is 0.002)."""
+    K = T.numel()
+    edges = -1 + 2 * torch.arange(n + 1, dtype=torch.float64) / n
+    inner = T[1:K - 1].double()
+    lut = (inner[None, :] <= edges[:-1, None] - margin).sum(1)
+    most = (inner[None, :] < edges[1:, None] + margin).sum(1)
+    if K > 2 and ((most - lut).max() > 1 or T.abs().max() > 1):
+        raise ValueError(f"codebook levels {T.tolist()} are closer than the kernel's level "
+                         f"buckets (2/{n} plus margins) or outside [-1, 1]")
+    return lut.to(torch.int32)
 
 
 def _check_hparams(h, where):
@@ -520,8 +543,9 @@ class AdamW4bit(torch.optim.Optimizer):
         dev = items[0][0].device
         cbs = self._codebooks.get(dev)
         if cbs is None:
-            T_m, T_v = (get_codebook(c[k]).to(dev) for k in ("m_codebook", "v_codebook"))
-            cbs = self._codebooks[dev] = (T_m, T_v, sqrt_rn(T_v))
+            T_m, T_v = (get_codebook(c[k]) for k in ("m_codebook", "v_codebook"))
+            cbs = self._codebooks[dev] = tuple(t.to(dev) for t in (
+                T_m, T_v, sqrt_rn(T_v), _level_lut(T_m), _level_lut(T_v)))
         numels = tuple(p.numel() for p, _, _ in items)
         nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per program
         progs = self._prog_tables.get((dev, B, numels))
@@ -585,17 +609,16 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 # the fused Triton step: one pass over param, grad and both packed moments
 
 @triton.jit
-def _quantize(x, s, cb_ptr, u, rx, sq_cb_ptr, inv_sqrt_bc2, eps, K: tl.constexpr,
+def _quantize(x, s, cb_ptr, lut_ptr, u, rx, sq_cb_ptr, inv_sqrt_bc2, eps, K: tl.constexpr,
               SR: tl.constexpr, UPDATE: tl.constexpr):
     # round_to_levels with levels s * T, the same float32 operations; x (R, C), s (R,).
-    # Binary search for lo = max{k : s T[k] <= x} (0 if none), clamped to K - 2: the same
-    # index as the reference's count of levels <= x, in 4 table reads instead of K compares.
-    lo = tl.zeros(x.shape, dtype=tl.int32)
-    for sh in tl.static_range(3, -1, -1):
-        nxt = lo + (1 << sh)
-        ok = nxt <= K - 2
-        lvl = s[:, None] * tl.load(cb_ptr + tl.minimum(nxt, K - 2))
-        lo = tl.where(ok & (lvl <= x), nxt, lo)
+    # lo = max{k <= K-2 : s T[k] <= x} (0 if none), the reference's count of levels <= x: the
+    # bucket of y ~ x/s in the level table (see _level_lut) gives lo or lo - 1, and one exact
+    # comparison decides. 3 table reads instead of a 4-step binary search (the search was 37 %
+    # of the step on the H200).
+    j = ((x * (1.0 / s)[:, None] + 1.0) * (_LUT_N // 2)).to(tl.int32)
+    c = tl.load(lut_ptr + tl.minimum(tl.maximum(j, 0), _LUT_N - 1))
+    lo = c + ((c < K - 2) & (s[:, None] * tl.load(cb_ptr + c + 1) <= x)).to(tl.int32)
     a = s[:, None] * tl.load(cb_ptr + lo)
     b = s[:, None] * tl.load(cb_ptr + lo + 1)
     if UPDATE:
@@ -633,7 +656,7 @@ def _uniform(r):
 
 
 @triton.jit
-def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, v_sq_cb,
+def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, v_sq_cb, m_lut, v_lut,
                       decay, step_size, b1, one_minus_b1, b2, one_minus_b2,
                       inv_sqrt_bc2, eps, M_K: tl.constexpr, V_K: tl.constexpr,
                       M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
@@ -707,13 +730,13 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, v_sq_
 
     # quantize both moments (blocks of BS = the two halves of each row) and pack
     s = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=1), tl.max(tl.abs(m1), axis=1)), 1e-12)
-    c0 = _quantize(m0, s, m_cb, um0, r0, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
-    c1 = _quantize(m1, s, m_cb, um1, r1, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
+    c0 = _quantize(m0, s, m_cb, m_lut, um0, r0, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
+    c1 = _quantize(m1, s, m_cb, m_lut, um1, r1, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
     tl.store(mq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
     tl.store(ms + rows, s, mask=rmask)
     s = tl.maximum(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)), 1e-12)
-    c0 = _quantize(v0, s, v_cb, uv0, r0, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
-    c1 = _quantize(v1, s, v_cb, uv1, r1, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
+    c0 = _quantize(v0, s, v_cb, v_lut, uv0, r0, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
+    c1 = _quantize(v1, s, v_cb, v_lut, uv1, r1, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
     if EDEN:
         s = _eden_scale(v0, v1, c0, c1, s, v_cb)
     tl.store(vq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)

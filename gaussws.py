@@ -64,6 +64,7 @@ import torch.nn.functional as F
 
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 TILE = 32  # b_l of eq. 3: square tile side (MX-style block of §2.1; 32×32 units in §3.6)
 
@@ -547,11 +548,11 @@ def _generate_triton(m, n, seed, method, block=None, num_warps=None):
     grid = (triton.cdiv(n_words, block),)
     if method == "diffq":
         out = torch.empty(m, n, dtype=torch.bfloat16, device=seed.device)
-        _gen_diffq_kernel[grid](out, seed, m, n, n8, BLOCK=block, num_warps=num_warps)
+        wrap_triton(_gen_diffq_kernel)[grid](out, seed, m, n, n8, BLOCK=block, num_warps=num_warps)
         return out
     out = torch.empty(m, n8, dtype=torch.int32, device=seed.device)
     kernel = _gen_gaussws_kernel if method == "gaussws" else _gen_bm_kernel
-    kernel[grid](out, seed, n_words, BLOCK=block, num_warps=num_warps)
+    wrap_triton(kernel)[grid](out, seed, n_words, BLOCK=block, num_warps=num_warps)
     return out
 
 
@@ -568,7 +569,7 @@ def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_w
     w_hat = torch.empty(m, n, dtype=out_dtype, device=w.device)
     tmax = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
     r = w if mode == 2 else noise   # unused pointer in fused mode
-    _apply_kernel[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed, m, n, -(-n // 8), tn,
+    wrap_triton(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed, m, n, -(-n // 8), tn,
                                              NOISE=mode, BT=bt, num_warps=num_warps)
     return w_hat, tmax
 
@@ -582,7 +583,7 @@ def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warp
     dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
     dpow2 = torch.empty(tm, tn, dtype=torch.float32, device=g.device)
     r = g if mode == 2 else noise
-    _grad_kernel[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
+    wrap_triton(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
                                             NOISE=mode, BT=bt, num_warps=num_warps)
     return dw, dpow2
 
@@ -647,7 +648,10 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
 
 
 # ----------------------------------------------------------------------------------------------
-# autograd (eq. 4) as torch.library custom ops, so torch.compile treats them as opaque calls
+# autograd (eq. 4) as torch.library triton ops: eager calls run them as functions; under
+# torch.compile Inductor sees the Triton kernels inside and launches them from its own generated
+# code (a plain custom op would cost a Python dispatch and Triton launch per layer and call,
+# which made a compiled GPT-2 step ~17 % slower on the H200 than the kernels' GPU time explains)
 
 def _regenerate(m, n, seed, method, impl, fused):
     """R for a call, from its seed (forward and backward alike): the torch reference, packed R
@@ -657,7 +661,7 @@ def _regenerate(m, n, seed, method, impl, fused):
     return None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
 
 
-@torch.library.custom_op("gaussws::pqn_sample", mutates_args=())
+@triton_op("gaussws::pqn_sample", mutates_args=())
 def _pqn_sample_op(w: torch.Tensor, pow2: torch.Tensor, seed: torch.Tensor, method: str,
                    out_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     noise = _regenerate(*w.shape, seed, method, impl, fused)
@@ -666,12 +670,7 @@ def _pqn_sample_op(w: torch.Tensor, pow2: torch.Tensor, seed: torch.Tensor, meth
     return _apply_triton(w, noise, pow2, seed, method, out_dtype, fused)
 
 
-@_pqn_sample_op.register_fake
-def _(w, pow2, seed, method, out_dtype, impl, fused):
-    return w.new_empty(w.shape, dtype=out_dtype), pow2.new_empty(pow2.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("gaussws::pqn_grad", mutates_args=())
+@triton_op("gaussws::pqn_grad", mutates_args=())
 def _pqn_grad_op(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, method: str,
                  w_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     g = g.contiguous()
@@ -679,11 +678,6 @@ def _pqn_grad_op(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, method
     if impl == "torch":
         return _grad_torch(g, noise, tmax, method, w_dtype)
     return _grad_triton(g, noise, tmax, seed, method, w_dtype, fused)
-
-
-@_pqn_grad_op.register_fake
-def _(g, tmax, seed, method, w_dtype, impl, fused):
-    return g.new_empty(g.shape, dtype=w_dtype), tmax.new_empty(tmax.shape)
 
 
 def _pqn_setup_context(ctx, inputs, output):
@@ -780,19 +774,27 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
 # ----------------------------------------------------------------------------------------------
 # module API
 
-@torch.library.custom_op("gaussws::next_seed", mutates_args=("state",))
+@triton.jit
+def _next_seed_kernel(state_ptr, out_ptr):
+    t = tl.load(state_ptr + 1)
+    tl.store(out_ptr, tl.load(state_ptr))
+    tl.store(out_ptr + 1, t)
+    tl.store(state_ptr + 1, t + 1)
+
+
+@triton_op("gaussws::next_seed", mutates_args=("state",))
 def _next_seed_op(state: torch.Tensor) -> torch.Tensor:
-    """Returns a copy of state = [key, t] and advances t in place. An opaque op on purpose: with
-    `state.clone(); state[1] += 1` in plain ops, Inductor may let the saved seed alias the buffer
-    it then mutates, and the backward would regenerate R with t + 1."""
-    seed = state.clone()
-    state[1] += 1
+    """Returns a copy of state = [key, t] and advances t in place, in one op (one kernel on
+    CUDA). One op on purpose: with `state.clone(); state[1] += 1` as separate ops in the model,
+    Inductor may let the saved seed alias the buffer it then mutates, and the backward would
+    regenerate R with t + 1."""
+    if not state.is_cuda:
+        seed = state.clone()
+        state[1] += 1
+        return seed
+    seed = torch.empty_like(state)
+    wrap_triton(_next_seed_kernel)[(1,)](state, seed)
     return seed
-
-
-@_next_seed_op.register_fake
-def _(state):
-    return torch.empty_like(state)
 
 
 def _splitmix64(x):
