@@ -65,6 +65,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 TILE = 32  # b_l of eq. 3: square tile side (MX-style block of §2.1; 32×32 units in §3.6)
 
@@ -540,6 +541,13 @@ def _tilemax_kernel(w_ptr, out_ptr, M, N, TN, BT: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0) * TN + ti, tmax, mask=ti < TN)
 
 
+def _launch(kernel):
+    """The kernel itself in eager code (Triton's launcher, ~20 us); wrap_triton(kernel) while
+    torch.compile traces a triton_op (a dispatch mode is active), so Inductor records the
+    kernel in its graph. wrap_triton in eager code would cost ~0.2 ms of dispatch per launch."""
+    return kernel if _get_current_dispatch_mode() is None else wrap_triton(kernel)
+
+
 def _generate_triton(m, n, seed, method, block=None, num_warps=None):
     n8 = -(-n // 8)
     n_words = m * n8
@@ -548,11 +556,11 @@ def _generate_triton(m, n, seed, method, block=None, num_warps=None):
     grid = (triton.cdiv(n_words, block),)
     if method == "diffq":
         out = torch.empty(m, n, dtype=torch.bfloat16, device=seed.device)
-        wrap_triton(_gen_diffq_kernel)[grid](out, seed, m, n, n8, BLOCK=block, num_warps=num_warps)
+        _launch(_gen_diffq_kernel)[grid](out, seed, m, n, n8, BLOCK=block, num_warps=num_warps)
         return out
     out = torch.empty(m, n8, dtype=torch.int32, device=seed.device)
     kernel = _gen_gaussws_kernel if method == "gaussws" else _gen_bm_kernel
-    wrap_triton(kernel)[grid](out, seed, n_words, BLOCK=block, num_warps=num_warps)
+    _launch(kernel)[grid](out, seed, n_words, BLOCK=block, num_warps=num_warps)
     return out
 
 
@@ -569,7 +577,7 @@ def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_w
     w_hat = torch.empty(m, n, dtype=out_dtype, device=w.device)
     tmax = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
     r = w if mode == 2 else noise   # unused pointer in fused mode
-    wrap_triton(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed, m, n, -(-n // 8), tn,
+    _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed, m, n, -(-n // 8), tn,
                                              NOISE=mode, BT=bt, num_warps=num_warps)
     return w_hat, tmax
 
@@ -583,7 +591,7 @@ def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warp
     dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
     dpow2 = torch.empty(tm, tn, dtype=torch.float32, device=g.device)
     r = g if mode == 2 else noise
-    wrap_triton(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
+    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
                                             NOISE=mode, BT=bt, num_warps=num_warps)
     return dw, dpow2
 
@@ -793,7 +801,7 @@ def _next_seed_op(state: torch.Tensor) -> torch.Tensor:
         state[1] += 1
         return seed
     seed = torch.empty_like(state)
-    wrap_triton(_next_seed_kernel)[(1,)](state, seed)
+    _launch(_next_seed_kernel)[(1,)](state, seed)
     return seed
 
 
