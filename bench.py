@@ -613,7 +613,13 @@ def _read_run(d):
     err = next((r for r in reversed(recs) if r.get("type") == "error"), None)
     steps = [r["loss"] for r in recs if r.get("type") == "step"]
     tail = steps[-max(1, len(steps) // 10):]
+    pts = [(r["iter"], r["loss"]) for r in recs if r.get("type") == "step"]
+    k = max(1, len(pts) // 50)          # moving average over 2 % of the steps (paper B Figure 1)
+    smooth = [(pts[i][0], sum(p[1] for p in pts[max(0, i - k + 1):i + 1]) / len(pts[max(0, i - k + 1):i + 1]))
+              for i in range(0, len(pts), max(1, len(pts) // 200))]
     return dict(dir=d, log=os.path.join(d, "log.jsonl"), diverged_at=err["iter"] if err else None,
+                val_curve=[(r["iter"], r["val_loss"]) for r in recs if r.get("type") == "eval"],
+                train_curve=smooth,
                 final_val_loss=s.get("final_val_loss"), optimizer_state_mb=s.get("optimizer_state_mb"),
                 peak_mem_mb=s.get("peak_mem_mb"), tokens_per_s=s.get("tokens_per_s"),
                 # mean training loss over the last 10 % of steps (None for a diverged run)
@@ -668,7 +674,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                 mean=sum(finals) / len(finals) if ok else None,
                 final_train_loss=[r["final_train_loss"] for r in per],
                 diverged_at=[r["diverged_at"] for r in per],
-                **{k: per[0][k] for k in ("optimizer_state_mb", "peak_mem_mb", "tokens_per_s")})
+                **{k: per[0][k] for k in ("optimizer_state_mb", "peak_mem_mb", "tokens_per_s")},
+                curves=[dict(seed=sd, val=r["val_curve"], train=r["train_curve"]) for sd, r in zip(seeds, per)])
         base = rows[_spec(rs[0])[3]]["mean"]
         for r in rows.values():
             r["gap_to_first"] = r["mean"] - base if r["mean"] is not None and base is not None else None
@@ -683,7 +690,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                         f"{v['mean']}" if v["mean"] is not None else
                         "diverged at step " + ", ".join(str(x) for x in v["diverged_at"]))
             for k, v in rows.items()))
-        _plot_quality(exp, rs, seeds, runs, os.path.join(out_dir, f"{exp}.png"), train_loss=exp == "zeropoint")
+        _plot_quality(exp, rows, os.path.join(out_dir, f"{exp}.png"), train_loss=exp == "zeropoint")
     out = dict(command=command or f"python bench.py --only quality  # train.py {' '.join(train_args)}",
                seeds=list(seeds), experiments=res)
     if cast and "pqt" in experiments:
@@ -697,36 +704,33 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     return out
 
 
-def _plot_quality(exp, rs, seeds, runs, png, train_loss=False):
-    """Val-loss curves of an experiment's runs (train_loss=True: the per-step training loss,
-    smoothed by a moving average over 2 % of the steps, as in paper B Figure 1)."""
+def _pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        return plt
     except ImportError:
         print("(matplotlib not installed: no plot)")
+        return None
+
+
+def _plot_quality(exp, rows, png, train_loss=False):
+    """Val-loss curves of an experiment's runs from its result rows (label -> row with "curves";
+    train_loss=True: the smoothed training loss, as in paper B Figure 1)."""
+    plt = _pyplot()
+    if plt is None:
         return
-    import train as trainer
     fig, ax = plt.subplots(figsize=(7, 4))
     top = None
-    for run in rs:
-        method, optim, extra, label = _spec(run)
-        for seed in seeds:
-            recs = trainer.read_log(runs[(method, optim, extra, seed)]["log"])
-            if train_loss:
-                pts = [(r["iter"], r["loss"]) for r in recs if r.get("type") == "step"]
-                k = max(1, len(pts) // 50)
-                pts = [(pts[i][0], sum(p[1] for p in pts[max(0, i - k + 1):i + 1]) / len(pts[max(0, i - k + 1):i + 1]))
-                       for i in range(len(pts))]
-                if pts and top is None:            # y range: the first run's curve after its first steps
-                    top = max(p[1] for p in pts[len(pts) // 20:]) if len(pts) > 20 else max(p[1] for p in pts)
-                if pts:
-                    ax.plot(*zip(*pts), lw=1, label=f"{label} seed {seed}")
-            else:
-                pts = [(r["iter"], r["val_loss"]) for r in recs if r.get("type") == "eval"]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, label=f"{label} seed {seed}")
+    for label, row in rows.items():
+        for c in row.get("curves", []):
+            pts = c["train" if train_loss else "val"]
+            if not pts:
+                continue
+            if train_loss and top is None:     # y range: the first run's curve after its first steps
+                top = max(p[1] for p in pts[len(pts) // 20:])
+            ax.plot(*zip(*pts), lw=1, marker=None if train_loss else "o", ms=3, label=f"{label} seed {c['seed']}")
     if top is not None and math.isfinite(top):
         ax.set_ylim(top=top * 1.05)
     ax.set_xlabel("step")
@@ -889,12 +893,8 @@ def bench_cast(run_dirs, png=None, device=None):
 def _plot_bitwidth(stats, png, title):
     """Paper A Figure 5: per PQT layer (in model order) the mean learned b_t with +-std (thick)
     and min-max (thin) bars, and the Table C tier limits 5/9/12 bits."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
+    plt = _pyplot()
+    if plt is None:
         return
     names = [k for k in stats if k != "all"]
     x = range(len(names))
@@ -921,6 +921,112 @@ def _plot_bitwidth(stats, png, title):
     print("wrote", png)
 
 
+# ---------------------------------------------------------------------------------------------
+# plots from the result JSON files (no GPU needed: `python bench.py --only plots`)
+
+def _bars(ax, labels, values, title, unit):
+    ax.barh(range(len(labels)), values, color="tab:blue")
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {v:.3g}", va="center", fontsize=7)
+    ax.set_xlabel(unit)
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def plot_results(paths):
+    """PNG next to each result JSON (results/<gpu>_<date>_<section>.json -> .png): optim (step
+    time per optimizer, bandwidth floor), memory (bytes/param per training-state part), noise
+    (eq. 3 forward time per shape), ddp (1 vs N GPU loss curves), quality (final val loss per run
+    and seed, the curves when the JSON has them, and the Figure 5 bitwidth chart).
+    Returns the PNG paths written."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    out = []
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        stem, section = path[:-5], path[:-5].rsplit("_", 1)[-1]
+        title = f"{r.get('gpu', '')} {r.get('date', '')}: {r.get('command', '')}"[:110]
+        fig = None
+        if section == "optim":
+            cases = list(dict.fromkeys(x["case"] for x in r["rows"]))
+            fig, axs = plt.subplots(len(cases), 1, figsize=(8, 2.2 * len(cases)))
+            for ax, case in zip(axs, cases):
+                rows = [x for x in r["rows"] if x["case"] == case and "reference" not in x["optimizer"]]
+                _bars(ax, [f"{x['optimizer']} ({x['state_bytes_per_param']:.2f} B/param)" for x in rows],
+                      [x["ms"] for x in rows], case, "step time, ms")
+                for x in rows:
+                    ax.axvline(x["floor_ms"], ls=":", lw=0.8, color="k")
+        elif section == "memory":
+            fig, ax = plt.subplots(figsize=(8, 3.5))
+            labels = [f"{x['method']} {x['memory']} {x['optim']}" for x in r["rows"]]
+            left = [0.0] * len(labels)
+            for part in r["rows"][0]["measured_B_per_param"]:
+                v = [x["measured_B_per_param"][part] for x in r["rows"]]
+                ax.barh(range(len(labels)), v, left=left, label=part)
+                left = [a + b for a, b in zip(left, v)]
+            ax.set_yticks(range(len(labels)))
+            ax.set_yticklabels(labels, fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlabel(f"training-state bytes per parameter ({r['preset']})")
+            ax.legend(fontsize=7)
+        elif section == "noise":
+            fig, ax = plt.subplots(figsize=(7, 4))
+            shapes = [x["shape"] for x in r["rows"]]
+            for k, name in (("eager", "eager torch"), ("compiled", "torch.compile"), ("bm", "Box-Muller"),
+                            ("ours", "ours 3-step"), ("fused", "ours fused"), ("floor", "bandwidth floor")):
+                ax.plot(shapes, [x[k] * 1e3 for x in r["rows"]], marker="o", label=name)
+            ax.set_yscale("log")
+            ax.set_ylabel("eq. 3 forward, us")
+            ax.legend(fontsize=7)
+        elif section == "ddp":
+            fig, ax = plt.subplots(figsize=(7, 4))
+            ax.plot(r["one"]["step_loss"], lw=1, label="1 GPU (grad_accum 2)")
+            ax.plot(r["many"]["step_loss"], lw=1, label=f"{r['nproc']} GPUs (DDP)")
+            ax.set_xlabel("step")
+            ax.set_ylabel("training loss")
+            ax.legend(fontsize=7)
+        elif section == "quality":
+            exps = r["experiments"]
+            fig, axs = plt.subplots(len(exps), 1, figsize=(8, 1.2 + 0.45 * sum(len(e) for e in exps.values())))
+            for ax, (exp, rows) in zip(axs, exps.items()):
+                labels = list(rows)
+                for i, lab in enumerate(labels):
+                    vals = [v for v in rows[lab]["final_val_loss"] if v is not None]
+                    ax.scatter(vals, [i] * len(vals), color="tab:blue", s=14)
+                    if rows[lab]["mean"] is not None:
+                        ax.scatter([rows[lab]["mean"]], [i], marker="|", s=200, color="k")
+                ax.set_yticks(range(len(labels)))
+                ax.set_yticklabels(labels, fontsize=7)
+                ax.invert_yaxis()
+                ax.set_title(f"{exp}: final val loss per seed (| = mean)", fontsize=9)
+                ax.grid(axis="x", alpha=0.3)
+                if exp == "zeropoint":
+                    ax.set_xscale("log")
+                if any(row.get("curves") for row in rows.values()):
+                    _plot_quality(exp, rows, f"{stem}_{exp}.png", train_loss=exp == "zeropoint")
+                    out.append(f"{stem}_{exp}.png")
+            for label, b in (r.get("bitwidth") or {}).items():
+                if b["method"] == "gaussws":
+                    stats = dict(b["layers"], all={k: b[k] for k in ("share_le5", "share_le9", "share_le12")})
+                    _plot_bitwidth(stats, f"{stem}_bitwidth.png", f"{label}: learned b_t per layer (paper A Figure 5)")
+                    out.append(f"{stem}_bitwidth.png")
+                    break
+        if fig is None:
+            continue
+        fig.suptitle(title, fontsize=7)
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=110)
+        plt.close(fig)
+        out.append(stem + ".png")
+        print("wrote", stem + ".png")
+    return out
+
+
 def save(section, result):
     os.makedirs("results", exist_ok=True)
     gpu = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
@@ -934,7 +1040,7 @@ def save(section, result):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "noise", "train", "memory", "ddp", "quality"],
+    ap.add_argument("--only", choices=["optim", "noise", "train", "memory", "ddp", "quality", "plots"],
                     default=None, help="run one section (default: all but ddp and quality)")
     ap.add_argument("--dataset", default="stdlib", help="--only ddp/quality: train.py's --dataset")
     ap.add_argument("--iters", type=int, default=None,
@@ -958,6 +1064,10 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
     ap.add_argument("--compile", action="store_true", help="--only train: torch.compile each model (slow to start)")
     args = ap.parse_args()
+    if args.only == "plots":
+        import glob
+        plot_results(sorted(glob.glob(os.path.join("results", "*.json"))))
+        return
     if args.only == "quality":
         exps = [x for x in args.experiments.split(",") if x]
         bad = [x for x in exps if x not in QUALITY]

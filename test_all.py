@@ -2423,9 +2423,37 @@ def test_quality_runner_concurrent_end_to_end(text_corpus, tmp_path, monkeypatch
     bench.cast_to_tiers(model)
     assert val() == once
 
+    # the JSON rows keep each seed's curves (so plots can be redrawn from results/ alone)
+    logged = [json.loads(x) for x in open(tmp_path / "gaussws_adamw_s0" / "log.jsonl")]
+    curve = res["pqt"]["gaussws/adamw"]["curves"][0]
+    assert curve["seed"] == 0 and curve["val"] == [(x["iter"], x["val_loss"]) for x in logged if x["type"] == "eval"]
+    assert curve["train"][0] == (0, [x["loss"] for x in logged if x["type"] == "step"][0])
+
     pytest.importorskip("matplotlib")
     for png in ("pqt.png", "zeropoint.png", "bitwidth.png"):
         assert os.path.getsize(tmp_path / png) > 0
+    path = str(tmp_path / "GPU_2026-01-01_quality.json")
+    with open(path, "w") as f:
+        json.dump(dict(out, gpu="GPU", date="2026-01-01"), f)
+    pngs = bench.plot_results([path])
+    assert sorted(os.path.basename(p) for p in pngs) == sorted(
+        ["GPU_2026-01-01_quality.png", "GPU_2026-01-01_quality_bitwidth.png"]
+        + [f"GPU_2026-01-01_quality_{e}.png" for e in res])
+    assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_plot_results_draws_every_h200_section(tmp_path):
+    """bench.py --only plots: one PNG per committed H200 result JSON (optim, memory, noise, ddp)."""
+    pytest.importorskip("matplotlib")
+    import glob
+    import shutil
+    src = [p for p in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "NVIDIA-H200_*.json"))
+           if p.rsplit("_", 1)[-1] in ("optim.json", "memory.json", "noise.json", "ddp.json")]
+    assert len(src) >= 4
+    for p in src:
+        shutil.copy(p, tmp_path)
+    pngs = bench.plot_results(sorted(str(tmp_path / os.path.basename(p)) for p in src))
+    assert len(pngs) == len(src) and all(open(p, "rb").read(4) == b"\x89PNG" for p in pngs)
 
 
 def test_bench_main_quality_on_cpu(text_corpus, tmp_path, monkeypatch, capsys):
