@@ -324,7 +324,8 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
     import train as trainer
     from model import GPT, preset_config
     torch.manual_seed(0)
-    model = GPT(preset_config(preset, block_size=T)).to(device)
+    with device:        # initialise on the GPU: a CPU init of a 3B model takes longer than its benchmark
+        model = GPT(preset_config(preset, block_size=T))
     if method != "bf16":
         g.apply_pqt(model, method=method, parts="all", memory=memory)
     args = argparse.Namespace(optim=optim, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -715,6 +716,15 @@ def _pyplot():
         return None
 
 
+def _finish(plt, fig, ax, png):
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    print("wrote", png)
+
+
 def _plot_quality(exp, rows, png, train_loss=False):
     """Val-loss curves of an experiment's runs from its result rows (label -> row with "curves";
     train_loss=True: the smoothed training loss, as in paper B Figure 1)."""
@@ -736,12 +746,7 @@ def _plot_quality(exp, rows, png, train_loss=False):
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (smoothed)" if train_loss else "val loss")
     ax.set_title(exp)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    print("wrote", png)
+    _finish(plt, fig, ax, png)
 
 
 # ---- experiment 5: cast tiles to the FP formats of paper A Table C
@@ -913,12 +918,7 @@ def _plot_bitwidth(stats, png, title):
     ax.set_xticks(list(x))
     ax.set_xticklabels([k.replace("blocks.", "") for k in names], rotation=90, fontsize=6)
     ax.set_ylabel("b_t (bits)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    print("wrote", png)
+    _finish(plt, fig, ax, png)
 
 
 # ---------------------------------------------------------------------------------------------

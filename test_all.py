@@ -2194,17 +2194,8 @@ def test_level_lut_start_index_is_exact():
 # ---------------------------------------------------------------------------------------------
 # bench.py quality experiments: zero-point runs, Table C casting, Figure 5 data, concurrent runs
 
-@pytest.fixture(scope="module")
-def text_corpus(tmp_path_factory):
-    """A ~100 kB real-text file (argparse's source) and a data folder for prepared datasets."""
-    d = tmp_path_factory.mktemp("text_corpus")
-    path = d / "text_corpus.txt"
-    path.write_text(open(argparse.__file__, encoding="utf-8").read(), encoding="utf-8")
-    return str(path), str(d / "data")
-
-
-def nano_args(text_corpus, *extra):
-    text, data_dir = text_corpus
+def nano_args(corpus, *extra):
+    text, data_dir = corpus
     return ["--preset", "nano", "--dataset", text, "--data_dir", data_dir, "--tokenizer", "byte",
             "--batch_size", "4", "--eval_windows", "8", *extra]
 
@@ -2357,8 +2348,8 @@ def test_bad_v_flags_give_one_line_errors(argv, msg, capsys, tmp_path):
     assert not os.path.exists(tmp_path / "never")               # refused before data and model
 
 
-def test_v_flags_are_in_the_run_config_for_resume(text_corpus, tmp_path):
-    a = nano_args(text_corpus, "--optim", "zipsr", "--v_rounding", "state-rtn", "--max_iters", "2", "--no-plot",
+def test_v_flags_are_in_the_run_config_for_resume(corpus, tmp_path):
+    a = nano_args(corpus, "--optim", "zipsr", "--v_rounding", "state-rtn", "--max_iters", "2", "--no-plot",
                   "--out_dir", str(tmp_path))
     train.main(a)
     cfg = torch.load(tmp_path / "ckpt.pt", weights_only=True)["config"]
@@ -2370,13 +2361,13 @@ def test_v_flags_are_in_the_run_config_for_resume(text_corpus, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # the quality runner end to end: 2 experiments, 2 concurrent subprocesses
 
-def test_quality_runner_concurrent_end_to_end(text_corpus, tmp_path, monkeypatch):
+def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     exps = {"pqt": [("bf16", "adamw"), ("gaussws", "adamw")],
             "zeropoint": [("bf16", "zipsr", (), "update-sr"),
                           ("bf16", "zipsr", ("--v_rounding", "state-rtn"), "state-rtn"),
                           ("bf16", "adamw", ("--lr", "1e30", "--warmup_frac", "0"), "diverges")]}
-    args = nano_args(text_corpus, "--max_iters", "6", "--eval_interval", "3")
+    args = nano_args(corpus, "--max_iters", "6", "--eval_interval", "3")
     out = bench.bench_quality(args, seeds=(0,), out_dir=str(tmp_path), experiments=exps, jobs=2)
     assert out["failed_runs"] == {}
     dirs = {d for d in os.listdir(tmp_path) if os.path.isdir(tmp_path / d)}
@@ -2456,9 +2447,9 @@ def test_plot_results_draws_every_h200_section(tmp_path):
     assert len(pngs) == len(src) and all(open(p, "rb").read(4) == b"\x89PNG" for p in pngs)
 
 
-def test_bench_main_quality_on_cpu(text_corpus, tmp_path, monkeypatch, capsys):
+def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
     # --only quality runs on CPU; the JSON keeps the full command; --iters -> --max_iters
-    text, data_dir = text_corpus
+    text, data_dir = corpus
     monkeypatch.chdir(tmp_path)
     argv = ["--only", "quality", "--preset", "nano", "--dataset", text, "--experiments", "pqt", "--seeds", "3",
             "--iters", "2", "--train_args", f"--batch_size 4 --eval_windows 8 --tokenizer byte --data_dir {data_dir}"]
