@@ -333,7 +333,10 @@ class AdamW4bit(torch.optim.Optimizer):
                 if cfg[k] is None:
                     raise ValueError(f"{k} must be set when the other moment is quantized "
                                      f"(preset {preset!r})")
-                get_codebook(cfg[k])  # validates the name
+                try:
+                    get_codebook(cfg[k])  # validates the name / levels
+                except (ValueError, TypeError) as e:
+                    raise type(e)(f"{k}: {e}") from None
             if cfg["m_rounding"] not in ROUNDINGS:
                 raise ValueError(f"m_rounding must be one of {ROUNDINGS}, got {cfg['m_rounding']!r}")
             if cfg["v_rounding"] not in V_ROUNDINGS:
@@ -435,7 +438,11 @@ class AdamW4bit(torch.optim.Optimizer):
             raise ValueError("not an AdamW4bit state dict (no 'adam4bit' entry); refusing to load")
         saved = state_dict["adam4bit"]
         mine = {k: self.qcfg[k] for k in sorted(self.qcfg)}
-        diff = {k: (saved.get(k), mine[k]) for k in mine if saved.get(k) != mine[k]}
+        def same(a, b):   # codebooks may be tensors (custom levels)
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
+            return a == b
+        diff = {k: (saved.get(k), mine[k]) for k in mine if not same(saved.get(k), mine[k])}
         if diff:
             raise ValueError("optimizer state was written with another configuration "
                              f"(saved, current): {diff}")

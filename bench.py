@@ -566,7 +566,11 @@ def _train_subprocesses(todo, jobs):
     import sys
     import time
     here = os.path.dirname(os.path.abspath(__file__))
+    import signal
     gpus, queue, running, failed = _visible_gpus(), list(todo), [], {}
+    # a time limit or scheduler sends SIGTERM: raise SystemExit so the finally below ends the runs
+    main_thread = __import__("threading").current_thread() is __import__("threading").main_thread()
+    old_handler = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if main_thread else None
     try:
         while queue or running:
             while queue and len(running) < jobs:
@@ -603,6 +607,8 @@ def _train_subprocesses(todo, jobs):
     finally:   # interrupted (Ctrl-C, a time limit): do not leave runs behind
         for p, *_ in running:
             p.terminate()
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_handler)
     return failed
 
 
@@ -682,9 +688,10 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             r["gap_to_first"] = r["mean"] - base if r["mean"] is not None and base is not None else None
         if exp == "optim" and "bf16/torchao" in rows:
             gap_ao = rows["bf16/torchao"]["gap_to_first"]
-            for r in rows.values():
+            for r in rows.values():   # undefined unless TorchAO is behind 32-bit AdamW
                 r["share_of_torchao_gap_closed"] = (1 - r["gap_to_first"] / gap_ao
-                                                    if gap_ao and r["gap_to_first"] is not None else None)
+                                                    if gap_ao and gap_ao > 0 and r["gap_to_first"] is not None
+                                                    else None)
         res[exp] = rows
         print(f"[{exp}] " + "; ".join(
             f"{k}: " + (f"{v['mean']:.4f} ({v['gap_to_first']:+.4f})" if v["gap_to_first"] is not None else
@@ -740,9 +747,10 @@ def _plot_quality(exp, rows, png, train_loss=False):
                 continue
             if train_loss and top is None:     # y range: the first run's curve after its first steps
                 top = max(p[1] for p in pts[len(pts) // 20:])
+                bottom = min(p[1] for p in pts)
             ax.plot(*zip(*pts), lw=1, marker=None if train_loss else "o", ms=3, label=f"{label} seed {c['seed']}")
-    if top is not None and math.isfinite(top):
-        ax.set_ylim(top=top * 1.05)
+    if top is not None and math.isfinite(top) and math.isfinite(bottom):
+        ax.set_ylim(bottom - 0.05 * (top - bottom), top + 0.05 * (top - bottom))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (smoothed)" if train_loss else "val loss")
     ax.set_title(exp)
@@ -1027,11 +1035,12 @@ def plot_results(paths):
     return out
 
 
-def save(section, result):
-    os.makedirs("results", exist_ok=True)
+def save(section, result, path=None):
+    """Write a section's result as JSON: `path`, default results/<gpu>_<date>_<section>.json."""
     gpu = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
     date = datetime.date.today().isoformat()
-    path = f"results/{gpu}_{date}_{section}.json"
+    path = path or f"results/{gpu}_{date}_{section}.json"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:   # a result's own "command" (the full command line) wins
         json.dump({"gpu": gpu, "date": date, "torch": torch.__version__, "triton": triton.__version__,
                    "command": f"python bench.py --only {section}", **result}, f, indent=1)
@@ -1077,11 +1086,24 @@ def main():
         try:
             seeds = [int(x) for x in args.seeds.split(",")]
         except ValueError:
-            ap.error(f"--seeds {args.seeds!r}: must be a comma list of integers, e.g. 0,1")
+            ap.error(f"--seeds {args.seeds!r}: must be a comma list of integers >= 0, e.g. 0,1")
+        if min(seeds) < 0 or len(set(seeds)) != len(seeds):
+            ap.error(f"--seeds {args.seeds!r}: must be distinct integers >= 0 (each seed is one run folder)")
         if args.jobs < 1:
             ap.error(f"--jobs {args.jobs}: must be an integer >= 1")
+        if args.iters is not None and args.iters < 1:
+            ap.error(f"--iters {args.iters}: must be an integer >= 1 (steps per run)")
+        managed = {"--max_iters": "--iters", "--tokens_per_param": "--tokens_per_param", "--seed": "--seeds",
+                   "--method": "--experiments", "--optim": "--experiments", "--out_dir": "--out_dir",
+                   "--resume": "--resume", "--preset": "--preset", "--dataset": "--dataset"}
+        for tok in shlex.split(args.train_args):
+            flag = tok.split("=")[0]
+            if flag in managed:
+                ap.error(f"--train_args {args.train_args!r}: {flag} is set per run by bench.py; "
+                         f"use bench.py's {managed[flag]}")
     elif not torch.cuda.is_available():   # --only quality is training runs: CPU works (slowly)
-        raise SystemExit("bench.py needs a CUDA GPU (the tests cover correctness on CPU)")
+        raise SystemExit(f"bench.py {'--only ' + args.only if args.only else '(all sections)'} needs a CUDA "
+                         "GPU; --only quality and --only plots also run on CPU (the tests cover correctness on CPU)")
     if args.only in (None, "optim"):
         res = dict(check=check_optim_gpu(), **bench_optim(args.quick))
         save("optim", res)
@@ -1099,7 +1121,8 @@ def main():
                             seeds=seeds, out_dir=out_dir, experiments={k: QUALITY[k] for k in exps},
                             jobs=args.jobs, resume=args.resume,
                             command="python bench.py " + shlex.join(sys.argv[1:]))
-        save("quality", res)
+        # an explicit --out_dir keeps its JSON there; the default goes to results/ by GPU and date
+        save("quality", res, os.path.join(args.out_dir, "quality.json") if args.out_dir else None)
         if res["failed_runs"]:
             raise SystemExit(f"{len(res['failed_runs'])} quality run(s) failed: {', '.join(res['failed_runs'])}")
     if args.only == "ddp":

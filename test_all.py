@@ -2337,7 +2337,7 @@ def test_v_flags_reach_adamw4bit():
     (["--optim", "adam-mini", "--v_codebook", "dyn4"], "not --optim adam-mini"),
     (["--optim", "zipsr", "--v_codebook", "nf4"], "--v_codebook nf4 with --optim zipsr: v_rounding='update-sr' "
                                                    "needs a nonnegative v_codebook"),
-    (["--optim", "fp32", "--v_rounding", "state-rtn"], "m_codebook must be set"),
+    (["--optim", "fp32", "--v_rounding", "state-rtn"], "(--optim torchao|zipsr|zeeden), not --optim fp32"),
 ])
 def test_bad_v_flags_give_one_line_errors(argv, msg, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -2471,12 +2471,78 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.count("the run is finished; nothing to do") == 3
     assert open(log).read() == before
     assert json.load(open(path))["experiments"] == res["experiments"]
-    for bad in (["--experiments", "pqt,nope"], ["--seeds", "0,x"], ["--jobs", "0"]):
+    # an explicit --out_dir keeps the JSON there (results/ is left alone)
+    kept = open(path).read()
+    monkeypatch.setattr(sys, "argv", ["bench.py", *argv, "--out_dir", "elsewhere"])
+    bench.main()
+    assert json.load(open(os.path.join("elsewhere", "quality.json")))["seeds"] == [3]
+    assert open(path).read() == kept
+    for bad, said in ((["--experiments", "pqt,nope"], "--experiments"), (["--seeds", "0,x"], "--seeds"),
+                      (["--seeds", "1,1"], "distinct"), (["--seeds", "-1"], ">= 0"), (["--jobs", "0"], "--jobs 0"),
+                      (["--iters", "0"], "--iters 0"), (["--train_args", "--seed 4"], "use bench.py's --seeds"),
+                      (["--train_args=--max_iters=9"], "use bench.py's --iters")):
         monkeypatch.setattr(sys, "argv", ["bench.py", *argv, *bad])
+        capsys.readouterr()
         with pytest.raises(SystemExit) as e:
             bench.main()
-        assert e.value.code == 2
+        assert e.value.code == 2 and said in capsys.readouterr().err, bad
     if not torch.cuda.is_available():
         monkeypatch.setattr(sys, "argv", ["bench.py", "--only", "noise"])
-        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        with pytest.raises(SystemExit, match="--only noise needs a CUDA GPU"):
             bench.main()
+
+
+def test_state_dict_round_trip_with_custom_codebook_tensors():
+    """A custom (tensor) codebook survives state_dict/load_state_dict; another codebook is refused."""
+    def make(cb):
+        p = torch.nn.Parameter(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)))
+        p.grad = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
+        return p, A.AdamW4bit([p], impl="torch", v_codebook=cb, v_rounding="state-rtn")
+    cb = torch.linspace(0, 1, 16)
+    p, opt = make(cb)
+    opt.step()
+    q, opt2 = make(cb.clone())
+    opt2.load_state_dict(opt.state_dict())
+    assert torch.equal(opt2.state[q]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+    _, opt3 = make(torch.linspace(0, 1, 16) ** 2)
+    with pytest.raises(ValueError, match="another configuration"):
+        opt3.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match="v_codebook"):
+        A.AdamW4bit([p], v_codebook="nope")
+
+
+def test_quality_bench_sigterm_ends_its_runs(corpus, tmp_path):
+    """A time limit's SIGTERM to `bench.py --only quality --jobs 2` also ends its train.py runs."""
+    import signal
+    import time
+    text, data_dir = corpus
+    out = str(tmp_path / "q")
+    cmd = [sys.executable, bench.__file__, "--only", "quality", "--preset", "nano", "--dataset", text,
+           "--experiments", "pqt", "--seeds", "0", "--iters", "100000", "--jobs", "2", "--out_dir", out,
+           "--train_args", f"--batch_size 4 --eval_windows 8 --tokenizer byte --data_dir {data_dir}"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    started = 0
+    for line in p.stdout:
+        started += "[quality] started" in line
+        if started == 2:
+            break
+    time.sleep(2)
+
+    def runs_alive():
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if out.encode() in f.read() and int(pid) != p.pid:
+                        alive.append(pid)
+            except OSError:
+                pass
+        return alive
+    assert runs_alive()                       # the two train.py runs are going
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) != 0
+    deadline = time.time() + 30
+    while runs_alive() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not runs_alive()

@@ -276,8 +276,9 @@ def check_optimizer_flags(parser, args):
     if not over:
         return
     flags = " ".join(f"--{k} {v}" for k, v in over.items())
-    if args.optim not in FOURBIT:
-        parser.error(f"{flags}: only for the 4-bit AdamW presets (--optim {'|'.join(FOURBIT)}), "
+    fourbit = [o for o in FOURBIT if o != "fp32"]
+    if args.optim not in fourbit:
+        parser.error(f"{flags}: only for the 4-bit AdamW presets (--optim {'|'.join(fourbit)}), "
                      f"not --optim {args.optim}")
     from adam4bit import AdamW4bit
     try:
@@ -601,7 +602,7 @@ def train(args, ddp, rank, world, device, device_type):
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
         say(f"resumed from {resume_path} at step {start_iter}")
         del ckpt
-    say(f"optimizer {args.optim}, lr {args.lr:g} ({args.schedule}), {args.max_iters} steps of "
+    say(f"optimizer {args.optim}" + "".join(f" --{k} {v}" for k, v in optimizer_overrides(args).items()) + ", lr {args.lr:g} ({args.schedule}), {args.max_iters} steps of "
         f"{tokens_per_step:,} tokens ({args.batch_size} x {args.block_size} x {args.grad_accum}), "
         f"{args.max_iters * tokens_per_step / max(n_params, 1):.2f} tokens/param")
 
