@@ -349,12 +349,13 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
 
 
 def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gaussws", "diffq"),
-                steps=20, T=2048, device="cuda", compile=False):
+                steps=20, T=2048, device="cuda", compile=False, on_row=None):
     """Paper A Table 1: median step time -> tokens/s and peak memory per (model, optimizer,
     method), overhead vs BF16 and its geometric mean over models (paper: 3.14 % GaussWS,
     22.34 % DiffQ with AdamW on an A100). Eager by default: 24 torch.compile runs of models up to
     4B parameters take longer than one benchmark call; train.py's compiled throughput is
-    measured with train.py itself (README)."""
+    measured with train.py itself (README). on_row(rows): called after each measured row (main
+    saves the partial table, so a run stopped by a time limit keeps what it measured)."""
     device = torch.device(device)
     rows = []
     for preset, batch in cases:
@@ -394,6 +395,8 @@ def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gauss
                 del model, opt, step
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                if on_row:
+                    on_row(rows)
     geo = {}
     for optim in optims:
         for method in methods[1:]:
@@ -1113,7 +1116,8 @@ def main():
     if args.only in (None, "memory"):
         save("memory", bench_memory())
     if args.only in (None, "train"):
-        save("train", bench_train(compile=args.compile))
+        save("train", bench_train(compile=args.compile,
+                                  on_row=lambda rows: save("train", dict(rows=rows, partial=True))))
     if args.only == "quality":
         length = ["--max_iters", str(args.iters)] if args.iters else ["--tokens_per_param", str(args.tokens_per_param)]
         out_dir = args.out_dir or f"results/quality_{'' if torch.cuda.is_available() else 'cpu_'}{args.preset}"

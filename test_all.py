@@ -1673,9 +1673,11 @@ def test_bench_memory_matches_the_arithmetic():
 
 def test_bench_train_runs_every_method_on_cpu():
     import bench
+    seen = []
     res = bench.bench_train(cases=[("nano", 2)], optims=("adamw",), steps=1, T=64, device="cpu",
-                            compile=False)
+                            compile=False, on_row=lambda rows: seen.append(len(rows)))
     assert [r["method"] for r in res["rows"]] == ["bf16", "gaussws", "diffq"]
+    assert seen == [1, 2, 3]                   # partial tables after each row
     assert res["rows"][0]["overhead_pct"] == 0.0
     assert all(r["tokens_per_s"] > 0 for r in res["rows"])
     assert set(res["geomean_overhead_pct"]) == {"gaussws/adamw", "diffq/adamw"}
