@@ -562,7 +562,8 @@ class AdamW4bit(torch.optim.Optimizer):
             prog_tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
             progs = self._prog_tables[(dev, B, numels)] = (
                 prog_tensor.to(torch.int32).to(dev), starts.to(torch.int32).to(dev), int(counts.sum()))
-        rows = [[p.data_ptr() for p, _, _ in items], [p.grad.data_ptr() for p, _, _ in items]]
+        grads = _kernel_grads([p for p, _, _ in items])
+        rows = [[p.data_ptr() for p, _, _ in items], [g.data_ptr() for g in grads]]
         rows += [[st[k].data_ptr() for _, st, _ in items]
                  for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")]
         rows += [list(numels), [sd for _, _, sd in items]]
@@ -579,6 +580,14 @@ class AdamW4bit(torch.optim.Optimizer):
             V_UPDATE=v_coord == "update", EDEN=bool(c["eden"]),
             GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16, HAS_U=u is not None,
             BS=B, NB=nb, num_warps=KERNEL_WARPS, **extra)
+
+
+def _kernel_grads(params):
+    """The gradients the kernel reads. BF16 ones are read as aligned 32-bit words (two elements
+    each; the GPU faults on a misaligned word), so a grad view starting at an odd 2-byte offset,
+    as in a flat gradient buffer, is replaced by an aligned copy."""
+    return [p.grad if p.grad.dtype != torch.bfloat16 or p.grad.data_ptr() % 4 == 0 else p.grad.clone()
+            for p in params]
 
 
 def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
@@ -685,10 +694,6 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, v_sq_
     mask = rmask[:, None]
     e0 = 2 * pairs                                                    # even element index
     p_ptr = tl.load(tab + ti).to(tl.pointer_type(tl.float32)) + first * BS
-    if GRAD_BF16:
-        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.bfloat16)) + first * BS
-    else:
-        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.float32)) + first * BS
     mq = tl.load(tab + 2 * n_tensors + ti).to(tl.pointer_type(tl.uint8)) + first * (BS // 2)
     ms = tl.load(tab + 3 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + first
     vq = tl.load(tab + 4 * n_tensors + ti).to(tl.pointer_type(tl.uint8)) + first * (BS // 2)
@@ -699,8 +704,17 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, v_sq_
     vbyte = tl.load(vq + pairs, mask=mask, other=0).to(tl.int32)
     msc = tl.load(ms + rows, mask=rmask, other=0.0)[:, None]
     vsc = tl.load(vs + rows, mask=rmask, other=0.0)[:, None]
-    g0 = tl.load(g_ptr + e0, mask=mask, other=0.0).to(tl.float32)
-    g1 = tl.load(g_ptr + e0 + 1, mask=mask, other=0.0).to(tl.float32)
+    if GRAD_BF16:
+        # a byte's two BF16 gradients are one aligned 32-bit word (little-endian: the even
+        # element in the low half): one load per byte, and BF16 -> FP32 is a 16-bit shift (exact)
+        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.int32)) + first * (BS // 2)
+        gw = tl.load(g_ptr + pairs, mask=mask, other=0)
+        g0 = (gw << 16).to(tl.float32, bitcast=True)
+        g1 = (gw & -65536).to(tl.float32, bitcast=True)
+    else:
+        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.float32)) + first * BS
+        g0 = tl.load(g_ptr + e0, mask=mask, other=0.0)
+        g1 = tl.load(g_ptr + e0 + 1, mask=mask, other=0.0)
     m0 = msc * tl.load(m_cb + (mbyte & 15)) * b1 + g0 * one_minus_b1
     m1 = msc * tl.load(m_cb + (mbyte >> 4)) * b1 + g1 * one_minus_b1
     v0 = vsc * tl.load(v_cb + (vbyte & 15)) * b2 + g0 * g0 * one_minus_b2

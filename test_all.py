@@ -2548,3 +2548,25 @@ def test_quality_bench_sigterm_ends_its_runs(corpus, tmp_path):
     while runs_alive() and time.time() < deadline:
         time.sleep(0.5)
     assert not runs_alive()
+
+
+def test_kernel_bf16_grads_at_odd_offsets():
+    """BF16 gradients are read as 32-bit pairs; views that start at an odd 2-byte offset (as in a
+    flat gradient buffer) still give the reference's result bit for bit."""
+    ref, o_ref, ker, o_ker = _twin_optimizers(preset="zeeden")
+    g = torch.Generator().manual_seed(22)
+    for _ in range(2):
+        n = sum(p.numel() for p in ref)
+        flat = (torch.randn(n + 1, generator=g) * 1e-2).to(torch.bfloat16)
+        off = 1
+        for a, b in zip(ref, ker):
+            a.grad_dtype = b.grad_dtype = None
+            view = flat[off:off + a.numel()].view(a.shape)
+            a.grad, b.grad = view.clone(), view
+            off += a.numel()
+        assert any(b.grad.data_ptr() % 4 for b in ker if o_ker.is_quantized(b))
+        read = A._kernel_grads(ker)     # what the kernel reads: aligned, same values
+        assert all(x.data_ptr() % 4 == 0 and torch.equal(x, b.grad) for x, b in zip(read, ker))
+        o_ref.step()
+        o_ker.step()
+    _assert_twins_equal(ref, o_ref, ker, o_ker)
