@@ -577,6 +577,22 @@ def test_kernel_rtn_bit_identical_to_reference_over_steps(kw):
     _assert_twins_equal(ref, o_ref, ker, o_ker)
 
 
+@pytest.mark.parametrize("block_size", [8, 256])
+def test_kernel_other_block_sizes_bit_identical(block_size):
+    # the kernel's (2, block_size / 4) byte layout and NB = 128 // block_size blocks per program
+    ref, o_ref, ker, o_ker = _twin_optimizers(preset="zeeden", block_size=block_size)
+    g = torch.Generator().manual_seed(15)
+    for _ in range(3):
+        _set_grads(ref, ker, g)
+        o_ref.step()
+        o_ker.step()
+    _assert_twins_equal(ref, o_ref, ker, o_ker)
+    p = torch.nn.Parameter(torch.zeros(4096))
+    p.grad = torch.ones(4096)
+    with pytest.raises(ValueError, match="block_size >= 4; got .* block_size 2"):
+        A.AdamW4bit([p], preset="zipsr", block_size=2, impl="triton").step()
+
+
 @pytest.mark.parametrize("kw", [dict(preset="zipsr"), dict(preset="zipsr", m_rounding="sr"),
                                 dict(preset="zipsr", v_rounding="state-sr")],
                          ids=["zipsr", "m-sr", "state-sr"])
