@@ -231,20 +231,6 @@ def _level_lut(T, n=LUT_BUCKETS, margin=2.0 ** -12):
     return lut.to(torch.int32)
 
 
-def _level_table(T, n=LUT_BUCKETS):
-    """The Triton kernel's level table for a sorted codebook T (K values): int32 (n, 8), row j =
-    [c, T[c], T[c+1], T[c+2], 0, sqrt(T[c]), sqrt(T[c+1]), sqrt(T[c+2])] with c = _level_lut(T)[j]
-    (levels as float32 bit patterns, indices past K-1 clamped; sqrt correctly rounded, for the
-    preconditioner coordinate). Everything one search needs is in one 32-byte row."""
-    c = _level_lut(T, n).long()
-    K = T.numel()
-    T = T.float()
-    sq = sqrt_rn(T.clamp(min=0))   # only used for v codebooks, which are >= 0
-    cols = [c.int(), T[c], T[(c + 1).clamp(max=K - 1)], T[(c + 2).clamp(max=K - 1)],
-            torch.zeros(n), sq[c], sq[(c + 1).clamp(max=K - 1)], sq[(c + 2).clamp(max=K - 1)]]
-    return torch.stack([x.view(torch.int32) if x.dtype == torch.float32 else x for x in cols], 1).contiguous()
-
-
 def _check_hparams(h, where):
     """ValueError/TypeError naming the hyperparameter, its value and the allowed range."""
     lr, betas, eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
@@ -526,13 +512,11 @@ class AdamW4bit(torch.optim.Optimizer):
             return False
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         ok = (p.is_cuda or interp) and p.dtype == torch.float32 and p.is_contiguous() and \
-            p.grad.dtype in (torch.float32, torch.bfloat16) and p.grad.is_contiguous() and \
-            self.qcfg["block_size"] >= 4   # the kernel holds a block as (2, block_size / 4) bytes
+            p.grad.dtype in (torch.float32, torch.bfloat16) and p.grad.is_contiguous()
         if self.impl == "triton" and not ok:
             raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
-                             "contiguous float32 parameters, float32/bfloat16 gradients and "
-                             f"block_size >= 4; got {p.device} {p.dtype} param, {p.grad.dtype} grad, "
-                             f"block_size {self.qcfg['block_size']}")
+                             "contiguous float32 parameters and float32/bfloat16 gradients; got "
+                             f"{p.device} {p.dtype} param, {p.grad.dtype} grad")
         return ok and (p.is_cuda or self.impl == "triton")
 
     def _step_seed(self, t, index):
@@ -568,7 +552,7 @@ class AdamW4bit(torch.optim.Optimizer):
         if cbs is None:
             T_m, T_v = (get_codebook(c[k]) for k in ("m_codebook", "v_codebook"))
             cbs = self._codebooks[dev] = tuple(t.to(dev) for t in (
-                T_m, T_v, _level_table(T_m), _level_table(T_v)))
+                T_m, T_v, sqrt_rn(T_v), _level_lut(T_m), _level_lut(T_v)))
         numels = tuple(p.numel() for p, _, _ in items)
         nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per program
         progs = self._prog_tables.get((dev, B, numels))
@@ -641,25 +625,22 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 # the fused Triton step: one pass over param, grad and both packed moments
 
 @triton.jit
-def _quantize(x, s, tab_ptr, u, rx, inv_sqrt_bc2, eps, K: tl.constexpr, SR: tl.constexpr,
-              UPDATE: tl.constexpr):
-    # round_to_levels with levels s * T, the same float32 operations; x (NB, 2, BS/4), s (NB, 1, 1).
+def _quantize(x, s, cb_ptr, lut_ptr, u, rx, sq_cb_ptr, inv_sqrt_bc2, eps, K: tl.constexpr,
+              SR: tl.constexpr, UPDATE: tl.constexpr):
+    # round_to_levels with levels s * T, the same float32 operations; x (R, C), s (R,).
     # lo = max{k <= K-2 : s T[k] <= x} (0 if none), the reference's count of levels <= x: the
-    # bucket j of y ~ x/s gives c = lo or lo - 1 (see _level_lut), one exact comparison decides.
-    # Row j of the level table holds c and the levels T[c..c+2] (and sqrt(T[c..c+2]) for the
-    # preconditioner coordinate), so the search is one 16-byte read (two) instead of 4 (6)
-    # dependent table reads; the search was 37 % of the step on the H200.
-    j = ((x * (1.0 / s) + 1.0) * (_LUT_N // 2)).to(tl.int32)
-    row = tab_ptr + 8 * tl.minimum(tl.maximum(j, 0), _LUT_N - 1)
-    c, t0, t1, t2 = _row4(row)
-    up = (c < K - 2) & (s * t1.to(tl.float32, bitcast=True) <= x)
-    a = s * tl.where(up, t1, t0).to(tl.float32, bitcast=True)
-    b = s * tl.where(up, t2, t1).to(tl.float32, bitcast=True)
+    # bucket of y ~ x/s in the level table (see _level_lut) gives lo or lo - 1, and one exact
+    # comparison decides. 3 table reads instead of a 4-step binary search (the search was 37 %
+    # of the step on the H200).
+    j = ((x * (1.0 / s)[:, None] + 1.0) * (_LUT_N // 2)).to(tl.int32)
+    c = tl.load(lut_ptr + tl.minimum(tl.maximum(j, 0), _LUT_N - 1))
+    lo = c + ((c < K - 2) & (s[:, None] * tl.load(cb_ptr + c + 1) <= x)).to(tl.int32)
+    a = s[:, None] * tl.load(cb_ptr + lo)
+    b = s[:, None] * tl.load(cb_ptr + lo + 1)
     if UPDATE:
-        _, q0, q1, q2 = _row4(row + 4)   # column 4 is padding
-        sq_s = tl.sqrt_rn(s)
-        ra = sq_s * tl.where(up, q1, q0).to(tl.float32, bitcast=True) * inv_sqrt_bc2 + eps
-        rb = sq_s * tl.where(up, q2, q1).to(tl.float32, bitcast=True) * inv_sqrt_bc2 + eps
+        sq_s = tl.sqrt_rn(s)[:, None]
+        ra = sq_s * tl.load(sq_cb_ptr + lo) * inv_sqrt_bc2 + eps
+        rb = sq_s * tl.load(sq_cb_ptr + lo + 1) * inv_sqrt_bc2 + eps
         num = (rb - rx) * ra
         den = (rb - ra) * rx
     else:
@@ -669,29 +650,19 @@ def _quantize(x, s, tab_ptr, u, rx, inv_sqrt_bc2, eps, K: tl.constexpr, SR: tl.c
         take_a = u * den < num
     else:
         take_a = 2 * num > den
-    return c + up.to(tl.int32) + (1 - take_a.to(tl.int32))
-
-
-@triton.jit
-def _row4(ptr):
-    # four consecutive int32 at each pointer (one 16-byte load), as four tensors of ptr's shape
-    v = tl.load(ptr[:, :, :, None] + tl.arange(0, 4)[None, None, None, :])
-    v01, v23 = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], v.shape[2], 2, 2]))
-    w0, w2 = tl.split(v01)
-    w1, w3 = tl.split(v23)
-    return w0, w1, w2, w3
+    return tl.where(take_a, lo, lo + 1)
 
 
 @triton.jit
 def _eden_scale(x0, x1, c0, c1, s, cb_ptr):
     # EDEN: s * float32(sum y² / max(sum y q, 1e-12)), y = x / s, sums in float64
-    y0 = tl.div_rn(x0, s)
-    y1 = tl.div_rn(x1, s)
+    y0 = tl.div_rn(x0, s[:, None])
+    y1 = tl.div_rn(x1, s[:, None])
     q0 = tl.load(cb_ptr + c0)
     q1 = tl.load(cb_ptr + c1)
-    yy = _sum2((y0 * y0).to(tl.float64)) + _sum2((y1 * y1).to(tl.float64))
-    yq = _sum2((y0 * q0).to(tl.float64)) + _sum2((y1 * q1).to(tl.float64))
-    return (yy / tl.maximum(yq, 1e-12)).to(tl.float32)[:, None, None] * s
+    yy = tl.sum((y0 * y0).to(tl.float64), axis=1) + tl.sum((y1 * y1).to(tl.float64), axis=1)
+    yq = tl.sum((y0 * q0).to(tl.float64), axis=1) + tl.sum((y1 * q1).to(tl.float64), axis=1)
+    return (yy / tl.maximum(yq, 1e-12)).to(tl.float32) * s
 
 
 @triton.jit
@@ -701,30 +672,7 @@ def _uniform(r):
 
 
 @triton.jit
-def _uniforms(seed, ctr, stream, h):
-    # SR uniforms of the even and odd elements, (NB, 2, BS/4), from one Philox4x32 call per
-    # counter (NB, 1, BS/4): words 0, 1 go to the bytes of half h = 0, words 2, 3 to h = 1.
-    # 7 rounds (Random123's crush-resistant minimum; default 10); stream 0 = m, 1 = v.
-    lo = ctr.to(tl.uint32)
-    zero = lo * 0
-    q0, q1, q2, q3 = tl.philox(seed, lo, (ctr >> 32).to(tl.uint32), zero + stream, zero, n_rounds=7)
-    return (tl.where(h == 0, _uniform(q0), _uniform(q2)),
-            tl.where(h == 0, _uniform(q1), _uniform(q3)))
-
-
-@triton.jit
-def _sum2(x):
-    return tl.sum(tl.sum(x, axis=1), axis=1)
-
-
-@triton.jit
-def _max2(x):
-    # max over the last two axes of (NB, 2, BS/4) -> (NB,)
-    return tl.max(tl.max(x, axis=1), axis=1)   # the in-thread axis first: fewer shuffles
-
-
-@triton.jit
-def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, m_lev, v_lev,
+def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, v_sq_cb, m_lut, v_lut,
                       decay, step_size, b1, one_minus_b1, b2, one_minus_b2,
                       inv_sqrt_bc2, eps, M_K: tl.constexpr, V_K: tl.constexpr,
                       M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
@@ -732,23 +680,18 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, m_lev
                       BS: tl.constexpr, NB: tl.constexpr):
     # tab rows (int64, n_tensors each): param, grad, m codes, m scales, v codes, v scales
     # pointers; numel; SR seed; [u_m, u_v pointers if HAS_U]. A program does NB blocks of BS.
-    # A block's BS/2 bytes (element pairs: the even element is the low nibble, the odd one the
-    # high nibble) are held as (2, BS/4): byte h * BS/4 + k. Even and odd elements are separate
-    # tensors, so packing needs no data exchange between threads; bytes k and BS/4 + k sit in
-    # the same thread, so one Philox call (4 words) gives the uniforms of both bytes.
+    # Even and odd elements are held as two (NB, BS/2) halves: they are the low and high
+    # nibbles of one byte, so packing needs no data exchange between threads.
     pid = tl.program_id(0)
     ti = tl.load(prog_tensor + pid)
     first = (pid - tl.load(prog_start + ti)).to(tl.int64) * NB
     numel = tl.load(tab + 6 * n_tensors + ti)
     # int64 only in the per-program base pointers (tensors may exceed 2^31 elements); int32
     # offsets within the program's NB * BS elements.
-    blk = tl.arange(0, NB)
-    bmask = blk < numel // BS - first                                 # (NB,)
-    rows = blk[:, None, None]
-    h = tl.arange(0, 2)[None, :, None]
-    k = tl.arange(0, BS // 4)[None, None, :]
-    pairs = rows * (BS // 2) + h * (BS // 4) + k                      # (NB, 2, BS/4) byte index
-    mask = bmask[:, None, None]
+    rows = tl.arange(0, NB)
+    rmask = rows < numel // BS - first
+    pairs = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # byte index
+    mask = rmask[:, None]
     e0 = 2 * pairs                                                    # even element index
     p_ptr = tl.load(tab + ti).to(tl.pointer_type(tl.float32)) + first * BS
     mq = tl.load(tab + 2 * n_tensors + ti).to(tl.pointer_type(tl.uint8)) + first * (BS // 2)
@@ -759,8 +702,8 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, m_lev
     # decode (dequantize_blockwise) and the working moments, m~ = b1 Q(m) + (1-b1) g, ...
     mbyte = tl.load(mq + pairs, mask=mask, other=0).to(tl.int32)
     vbyte = tl.load(vq + pairs, mask=mask, other=0).to(tl.int32)
-    msc = tl.load(ms + blk, mask=bmask, other=0.0)[:, None, None]
-    vsc = tl.load(vs + blk, mask=bmask, other=0.0)[:, None, None]
+    msc = tl.load(ms + rows, mask=rmask, other=0.0)[:, None]
+    vsc = tl.load(vs + rows, mask=rmask, other=0.0)[:, None]
     if GRAD_BF16:
         # a byte's two BF16 gradients are one aligned 32-bit word (little-endian: the even
         # element in the low half): one load per byte, and BF16 -> FP32 is a 16-bit shift (exact)
@@ -787,7 +730,7 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, m_lev
     tl.store(p_ptr + e0, w0, mask=mask)
     tl.store(p_ptr + e0 + 1, w1, mask=mask)
 
-    # SR uniforms
+    # SR uniforms: one Philox call per byte gives 4 words (m even/odd, v even/odd)
     um0 = 0.0
     um1 = 0.0
     uv0 = 0.0
@@ -802,22 +745,20 @@ def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, m_lev
             uv1 = tl.load(u_v + e0 + 1, mask=mask, other=0.0)
         else:
             seed = tl.load(tab + 7 * n_tensors + ti).to(tl.int32)
-            ctr = (first + rows) * (BS // 4) + k          # (NB, 1, BS/4): one counter per 4 elements
-            if M_SR:
-                um0, um1 = _uniforms(seed, ctr, 0, h)
-            if V_SR:
-                uv0, uv1 = _uniforms(seed, ctr, 1, h)
+            # Philox4x32 with 7 rounds (Random123's crush-resistant minimum; default is 10)
+            q0, q1, q2, q3 = tl.randint4x(seed, pairs + first * (BS // 2), n_rounds=7)
+            um0, um1, uv0, uv1 = _uniform(q0), _uniform(q1), _uniform(q2), _uniform(q3)
 
-    # quantize both moments (a block = both halves of a row) and pack
-    s = tl.maximum(_max2(tl.maximum(tl.abs(m0), tl.abs(m1))), 1e-12)[:, None, None]
-    c0 = _quantize(m0, s, m_lev, um0, r0, inv_sqrt_bc2, eps, M_K, M_SR, False)
-    c1 = _quantize(m1, s, m_lev, um1, r1, inv_sqrt_bc2, eps, M_K, M_SR, False)
+    # quantize both moments (blocks of BS = the two halves of each row) and pack
+    s = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=1), tl.max(tl.abs(m1), axis=1)), 1e-12)
+    c0 = _quantize(m0, s, m_cb, m_lut, um0, r0, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
+    c1 = _quantize(m1, s, m_cb, m_lut, um1, r1, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
     tl.store(mq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
-    tl.store(ms + rows, s, mask=mask)
-    s = tl.maximum(_max2(tl.maximum(tl.abs(v0), tl.abs(v1))), 1e-12)[:, None, None]
-    c0 = _quantize(v0, s, v_lev, uv0, r0, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
-    c1 = _quantize(v1, s, v_lev, uv1, r1, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
+    tl.store(ms + rows, s, mask=rmask)
+    s = tl.maximum(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)), 1e-12)
+    c0 = _quantize(v0, s, v_cb, v_lut, uv0, r0, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
+    c1 = _quantize(v1, s, v_cb, v_lut, uv1, r1, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
     if EDEN:
         s = _eden_scale(v0, v1, c0, c1, s, v_cb)
     tl.store(vq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
-    tl.store(vs + rows, s, mask=mask)
+    tl.store(vs + rows, s, mask=rmask)
