@@ -669,8 +669,7 @@ def _regenerate(m, n, seed, method, impl, fused):
     return None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
 
 
-@triton_op("gaussws::pqn_sample", mutates_args=())
-def _pqn_sample_op(w: torch.Tensor, pow2: torch.Tensor, seed: torch.Tensor, method: str,
+def _pqn_sample_impl(w: torch.Tensor, pow2: torch.Tensor, seed: torch.Tensor, method: str,
                    out_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     noise = _regenerate(*w.shape, seed, method, impl, fused)
     if impl == "torch":
@@ -678,14 +677,17 @@ def _pqn_sample_op(w: torch.Tensor, pow2: torch.Tensor, seed: torch.Tensor, meth
     return _apply_triton(w, noise, pow2, seed, method, out_dtype, fused)
 
 
-@triton_op("gaussws::pqn_grad", mutates_args=())
-def _pqn_grad_op(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, method: str,
+def _pqn_grad_impl(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, method: str,
                  w_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     g = g.contiguous()
     noise = _regenerate(*g.shape, seed, method, impl, fused)
     if impl == "torch":
         return _grad_torch(g, noise, tmax, method, w_dtype)
     return _grad_triton(g, noise, tmax, seed, method, w_dtype, fused)
+
+
+_pqn_sample_op = triton_op("gaussws::pqn_sample", mutates_args=())(_pqn_sample_impl)
+_pqn_grad_op = triton_op("gaussws::pqn_grad", mutates_args=())(_pqn_grad_impl)
 
 
 def _pqn_setup_context(ctx, inputs, output):
@@ -702,6 +704,41 @@ def _pqn_backward(ctx, g_w_hat, g_tmax):
 
 
 _pqn_sample_op.register_autograd(_pqn_backward, setup_context=_pqn_setup_context)
+
+
+class _PQNSample(torch.autograd.Function):
+    """Eager twin of gaussws::pqn_sample: the same functions, the same backward. In eager mode a
+    torch.library op call costs ~0.2 ms of host time (dispatch, autograd wrapper) against ~0.02
+    ms here; at ~600 calls per step a 3B model's eager GaussWS step was host-bound on the H200
+    (GPU time equal to BF16's, wall +25 %). torch.compile traces the op instead (_pqn_sample)."""
+
+    @staticmethod
+    def forward(ctx, w, pow2, seed, method, out_dtype, impl, fused):
+        w_hat, tmax = _pqn_sample_impl(w, pow2, seed, method, out_dtype, impl, fused)
+        _pqn_setup_context(ctx, (w, pow2, seed, method, out_dtype, impl, fused), (w_hat, tmax))
+        return w_hat, tmax
+
+    @staticmethod
+    def backward(ctx, g_w_hat, g_tmax):
+        tmax, seed = ctx.saved_tensors
+        dw, dpow2 = _pqn_grad_impl(g_w_hat, tmax, seed, *ctx.args)
+        return dw, dpow2, None, None, None, None, None
+
+
+def _pqn_sample(w, pow2, seed, method, out_dtype, impl, fused):
+    """(w_hat, tile max) of eq. 3, differentiable: the torch.library op under torch.compile
+    (Inductor launches its kernels), the autograd.Function in eager code."""
+    if torch.compiler.is_compiling():
+        return torch.ops.gaussws.pqn_sample(w, pow2, seed, method, out_dtype, impl, fused)
+    return _PQNSample.apply(w, pow2, seed, method, out_dtype, impl, fused)
+
+
+def _pqn_ops():
+    """(sample, grad) without autograd, for _RecomputeLinear: the ops under torch.compile, the
+    plain functions in eager code (no dispatch cost)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.gaussws.pqn_sample, torch.ops.gaussws.pqn_grad
+    return _pqn_sample_impl, _pqn_grad_impl
 
 
 def _check_sample_args(w, b_t, method, impl, seed):
@@ -723,7 +760,7 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     Raises TypeError (w dtype, seed type) / ValueError (shapes, empty w, seed range, method, impl)."""
     impl, seed = _check_sample_args(w, b_t, method, impl, seed)
     pow2 = _pow2(b_t)   # autograd: d pow2 / d b_t = -ln2 · pow2 (eq. 4), 0 where b_t is clamped
-    return torch.ops.gaussws.pqn_sample(w.contiguous(), pow2, seed, method, out_dtype, impl, fused)[0]
+    return _pqn_sample(w.contiguous(), pow2, seed, method, out_dtype, impl, fused)[0]
 
 
 class _RecomputeLinear(torch.autograd.Function):
@@ -732,7 +769,7 @@ class _RecomputeLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, pow2, seed, bias, method, impl, fused):
-        w_hat, tmax = torch.ops.gaussws.pqn_sample(w, pow2, seed, method, x.dtype, impl, fused)
+        w_hat, tmax = _pqn_ops()[0](w, pow2, seed, method, x.dtype, impl, fused)
         ctx.save_for_backward(x, w, pow2, seed, tmax)
         ctx.args = (method, impl, fused, bias is not None)
         return F.linear(x, w_hat, bias)
@@ -741,11 +778,12 @@ class _RecomputeLinear(torch.autograd.Function):
     def backward(ctx, gy):
         x, w, pow2, seed, tmax = ctx.saved_tensors
         method, impl, fused, has_bias = ctx.args
-        w_hat, _ = torch.ops.gaussws.pqn_sample(w, pow2, seed, method, x.dtype, impl, fused)
+        sample, grad = _pqn_ops()
+        w_hat, _ = sample(w, pow2, seed, method, x.dtype, impl, fused)
         gy2 = gy.reshape(-1, gy.shape[-1]).to(x.dtype)
         gx = (gy2 @ w_hat).view(x.shape)
         g_w_hat = gy2.t() @ x.reshape(-1, x.shape[-1])
-        dw, dpow2 = torch.ops.gaussws.pqn_grad(g_w_hat, tmax, seed, method, w.dtype, impl, fused)
+        dw, dpow2 = grad(g_w_hat, tmax, seed, method, w.dtype, impl, fused)
         gb = gy2.sum(0) if has_bias else None
         return gx, dw, dpow2, None, gb, None, None, None
 
@@ -771,7 +809,7 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
     cd = _compute_dtype(x)
     pow2 = _pow2(b_t)
     if memory == "save":
-        w_hat = torch.ops.gaussws.pqn_sample(w.contiguous(), pow2, seed, method, cd, impl, fused)[0]
+        w_hat = _pqn_sample(w.contiguous(), pow2, seed, method, cd, impl, fused)[0]
         return F.linear(x, w_hat, bias)
     xb = x.to(cd)
     b = bias.to(cd) if bias is not None else None
@@ -790,8 +828,7 @@ def _next_seed_kernel(state_ptr, out_ptr):
     tl.store(state_ptr + 1, t + 1)
 
 
-@triton_op("gaussws::next_seed", mutates_args=("state",))
-def _next_seed_op(state: torch.Tensor) -> torch.Tensor:
+def _next_seed_impl(state: torch.Tensor) -> torch.Tensor:
     """Returns a copy of state = [key, t] and advances t in place, in one op (one kernel on
     CUDA). One op on purpose: with `state.clone(); state[1] += 1` as separate ops in the model,
     Inductor may let the saved seed alias the buffer it then mutates, and the backward would
@@ -803,6 +840,9 @@ def _next_seed_op(state: torch.Tensor) -> torch.Tensor:
     seed = torch.empty_like(state)
     _launch(_next_seed_kernel)[(1,)](state, seed)
     return seed
+
+
+_next_seed_op = triton_op("gaussws::next_seed", mutates_args=("state",))(_next_seed_impl)
 
 
 def _splitmix64(x):
@@ -873,7 +913,9 @@ class GaussWSLinear(nn.Linear):
             return self.noise_state.clone()
         if _in_backward_pass():      # activation recomputation of the last call: same seed
             return self.noise_state - torch.tensor([0, 1], device=self.noise_state.device)
-        return torch.ops.gaussws.next_seed(self.noise_state)
+        if torch.compiler.is_compiling():
+            return torch.ops.gaussws.next_seed(self.noise_state)
+        return _next_seed_impl(self.noise_state)   # eager: no op dispatch (see _PQNSample)
 
     def forward(self, x):
         if not (self.training or self.sample_in_eval):
