@@ -949,7 +949,7 @@ def _bars(ax, labels, values, title, unit):
 
 def plot_results(paths):
     """PNG next to each result JSON (results/<gpu>_<date>_<section>.json -> .png): optim (step
-    time per optimizer, bandwidth floor), memory (bytes/param per training-state part), noise
+    time per optimizer, bandwidth floor), train (Table 1 overhead vs BF16), memory (bytes/param per training-state part), noise
     (eq. 3 forward time per shape), ddp (1 vs N GPU loss curves), quality (final val loss per run
     and seed, the curves when the JSON has them, and the Figure 5 bitwidth chart).
     Returns the PNG paths written."""
@@ -965,8 +965,8 @@ def plot_results(paths):
         fig = None
         if section == "optim":
             cases = list(dict.fromkeys(x["case"] for x in r["rows"]))
-            fig, axs = plt.subplots(len(cases), 1, figsize=(8, 2.2 * len(cases)))
-            for ax, case in zip(axs, cases):
+            fig, axs = plt.subplots(len(cases), 1, figsize=(8, 2.2 * len(cases)), squeeze=False)
+            for ax, case in zip(axs[:, 0], cases):
                 rows = [x for x in r["rows"] if x["case"] == case and "reference" not in x["optimizer"]]
                 _bars(ax, [f"{x['optimizer']} ({x['state_bytes_per_param']:.2f} B/param)" for x in rows],
                       [x["ms"] for x in rows], case, "step time, ms")
@@ -994,6 +994,12 @@ def plot_results(paths):
             ax.set_yscale("log")
             ax.set_ylabel("eq. 3 forward, us")
             ax.legend(fontsize=7)
+        elif section == "train":
+            fig, ax = plt.subplots(figsize=(8, 4.5))
+            rows = [x for x in r["rows"] if x["method"] != "bf16"]
+            _bars(ax, [f"{x['model']} {x['optim']} {x['method']}" for x in rows],
+                  [x["overhead_pct"] for x in rows], "Table 1: tokens/s overhead vs BF16 (same model, optimizer)",
+                  "overhead, %")
         elif section == "ddp":
             fig, ax = plt.subplots(figsize=(7, 4))
             ax.plot(r["one"]["step_loss"], lw=1, label="1 GPU (grad_accum 2)")
@@ -1003,8 +1009,9 @@ def plot_results(paths):
             ax.legend(fontsize=7)
         elif section == "quality":
             exps = r["experiments"]
-            fig, axs = plt.subplots(len(exps), 1, figsize=(8, 1.2 + 0.45 * sum(len(e) for e in exps.values())))
-            for ax, (exp, rows) in zip(axs, exps.items()):
+            fig, axs = plt.subplots(len(exps), 1, figsize=(8, 1.2 + 0.45 * sum(len(e) for e in exps.values())),
+                                    squeeze=False)   # one experiment: still a list of axes
+            for ax, (exp, rows) in zip(axs[:, 0], exps.items()):
                 labels = list(rows)
                 for i, lab in enumerate(labels):
                     vals = [v for v in rows[lab]["final_val_loss"] if v is not None]
