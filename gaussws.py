@@ -712,11 +712,10 @@ class _PQNSample(torch.autograd.Function):
     ms here; at ~600 calls per step a 3B model's eager GaussWS step was host-bound on the H200
     (GPU time equal to BF16's, wall +25 %). torch.compile traces the op instead (_pqn_sample)."""
 
-    @staticmethod
-    def forward(ctx, w, pow2, seed, method, out_dtype, impl, fused):
-        w_hat, tmax = _pqn_sample_impl(w, pow2, seed, method, out_dtype, impl, fused)
-        _pqn_setup_context(ctx, (w, pow2, seed, method, out_dtype, impl, fused), (w_hat, tmax))
-        return w_hat, tmax
+    generate_vmap_rule = True   # torch.func.vmap over a layer worked through the op; keep it working
+
+    forward = staticmethod(_pqn_sample_impl)
+    setup_context = staticmethod(_pqn_setup_context)   # separate from forward: functorch needs it
 
     @staticmethod
     def backward(ctx, g_w_hat, g_tmax):
