@@ -44,7 +44,10 @@ layer's call counter t. Both live in the int64 buffer `noise_state = [key, t]`, 
 counter advances at every training-mode forward; backward reuses the seed of its forward (saved
 in the autograd context), and activation recomputation (torch.utils.checkpoint, which re-runs the
 forward inside backward) reuses the previous seed instead of advancing. Under torch.compile the
-seed is a graph tensor, so any recomputation the compiler does uses it too.
+seed is a graph tensor, so any recomputation the compiler does uses it too. Not supported (wrong
+gradients, not detected): torch.utils.checkpoint inside a compiled region (its recomputation
+draws the next seed), a layer called more than once inside one checkpointed region, and two
+checkpointed forwards before one backward (recomputation reuses the layer's last seed).
 
 Memory modes: "save" (paper: autograd keeps w_hat in BF16 for ∂L/∂x, +2 B/param) and "recompute"
 (w_hat rebuilt in backward from (w, b_t, seed): no extra persistent bytes, one more

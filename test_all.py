@@ -1276,6 +1276,8 @@ def test_eager_layer_skips_op_dispatch(monkeypatch):
     layer = g.GaussWSLinear(45, 70, impl="torch")
     layer(torch.randn(3, 45)).sum().backward()
     assert layer.noise_state[1].item() == 1 and layer.b_i.grad is not None
+    y = torch.func.vmap(layer)(torch.randn(2, 3, 45))   # functorch over the eager Function
+    assert y.shape == (2, 3, 70) and layer.noise_state[1].item() == 2
 
 
 # ---------------------------------------------------------------------------------------------
