@@ -806,6 +806,8 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
     memory="save": autograd keeps w_hat (paper, +2 B/param); "recompute": rebuilt in backward."""
     _check_choice("memory", memory, MEMORY_MODES)
     impl, seed = _check_sample_args(w, b_t, method, impl, seed)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be float32, bfloat16 or float16 (the layer's compute dtypes), got {x.dtype}")
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {w.shape[1]}")
     cd = _compute_dtype(x)
