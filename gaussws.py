@@ -800,14 +800,14 @@ def _compute_dtype(x):
 def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="auto", fused=False):
     """Linear layer with a sampled weight: F.linear(x, w_hat, bias), w_hat from eq. 3.
 
-    x: (..., n); w: (m, n); b_t: tile grid of w (clamped to [B_MIN, B_MAX] as in `gaussws_sample`);
-    bias: (m,) or None; seed as in `gaussws_sample`. w_hat is made in the compute
-    dtype (the autocast dtype when autocast is on — BF16 in training — else x.dtype).
-    memory="save": autograd keeps w_hat (paper, +2 B/param); "recompute": rebuilt in backward."""
+    x: (..., n), float32/bfloat16/float16; w: (m, n); b_t: tile grid of w (clamped to [B_MIN, B_MAX]
+    as in `gaussws_sample`); bias: (m,) or None; seed as in `gaussws_sample`. w_hat is made in the
+    compute dtype (the autocast dtype when autocast is on — BF16 in training — else x.dtype).
+    memory="save": autograd keeps w_hat (paper, +2 B/param); "recompute": rebuilt in backward.
+    Raises TypeError (x or w dtype, seed type) / ValueError (shapes, memory, method, impl, seed)."""
     _check_choice("memory", memory, MEMORY_MODES)
     impl, seed = _check_sample_args(w, b_t, method, impl, seed)
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be float32, bfloat16 or float16 (the layer's compute dtypes), got {x.dtype}")
+    _check_dtype(x.dtype, "x")
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {w.shape[1]}")
     cd = _compute_dtype(x)
