@@ -502,7 +502,9 @@ def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
 # experiment -> runs. A run is (method, optim) or (method, optim, extra train.py flags, label);
 # runs with the same (method, optim, flags) are trained once and shared between experiments.
 QUALITY = {
-    "pqt": [("bf16", "adamw"), ("gaussws", "adamw"), ("diffq", "adamw")],          # paper A
+    # paper A; the bits_wd 0.5 run pulls b_t down toward b_target harder than the default 0.1
+    "pqt": [("bf16", "adamw"), ("gaussws", "adamw"), ("diffq", "adamw"),
+            ("gaussws", "adamw", ("--bits_wd", "0.5"), "gaussws/adamw bits_wd 0.5")],
     "optim": [("bf16", "fp32"), ("bf16", "torchao"), ("bf16", "zeeden"), ("bf16", "zipsr")],  # paper B
     # paper B Figure 1: zero-inclusive Dyn4 second moment with state-space rounding vs Update-SR
     # (Dyn4 + Update-SR is ZIP-SR). The paper keeps m in FP32 there; AdamW4bit quantizes m (NF4,
@@ -709,6 +711,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
         done = [(f"{sp[3]} s{s}", runs[(*sp[:3], s)]["dir"]) for sp, s in pqt
                 if runs[(*sp[:3], s)]["final_val_loss"] is not None]
         out["cast"], out["bitwidth"] = bench_cast(done, os.path.join(out_dir, "bitwidth.png"))
+        _plot_cast(out["cast"], os.path.join(out_dir, "cast.png"))
     out["failed_runs"] = failed
     for d, msg in failed.items():
         print(f"[quality] run {d} FAILED: {msg[-500:]}")
@@ -765,6 +768,10 @@ def _plot_quality(exp, rows, png, train_loss=False):
 # (largest b_t, name as gaussws.fp_tier gives it, exponent bits, mantissa bits): paper A §3.3,
 # Prop. 4 and Table C; tiles above 12 bits keep their FP32 weights.
 FP_TIERS = ((5, "FP8 e3m4", 3, 4), (9, "FP12 e4m7", 4, 7), (12, "FP16 e5m10", 5, 10))
+# The same layers of every model cast to one format, mantissa 4 down to 1 bit: Prop. 3 gives
+# w_hat a (b_t - 2)-bit mantissa, so b_target = 4 calls for e3m2 -- a coarser grid than the FP8
+# tier, where a model trained without noise should lose more than one trained with it.
+CAST_SWEEP = ((3, 4), (3, 3), (3, 2), (3, 1))
 
 
 def _fp_limits(exp_bits, man_bits, inf_nan=True):
@@ -874,8 +881,10 @@ def bench_cast(run_dirs, png=None, device=None):
     """Experiment 5 and paper A Figure 5 on finished runs [(label, run_dir)]: val loss of the
     plain weights w before and after cast_to_tiers. GaussWS/DiffQ runs use each tile's learned b_t;
     a BF16 run is the control: its same layers (--parts) are cast at the fixed b_target tier
-    (does PQT training make the model more tolerant than plain training?).
-    Returns (cast rows {label: {val_loss_before, val_loss_after, delta, tier_share, tiers}},
+    (does PQT training make the model more tolerant than plain training?). Each model's same
+    layers are also cast to every format of CAST_SWEEP in turn (from the trained weights).
+    Returns (cast rows {label: {val_loss_before, val_loss_after, delta, tier_share, tiers,
+    sweep_delta: {"e3m4": val loss change, ...}}},
     bitwidth {label: Figure 5 statistics of the learned b_t, gaussws.bitwidth_stats}); the first
     GaussWS run's per-layer b_t is drawn to `png` (mean, +-std, min-max)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -896,12 +905,24 @@ def bench_cast(run_dirs, png=None, device=None):
             if png and c["method"] == "gaussws" and not drawn:
                 _plot_bitwidth(stats, png, f"{label}: learned b_t per layer (paper A Figure 5)")
                 drawn = True
+        layers = [layer for _, layer in g.pqt_layers(model)]
+        w0 = [layer.weight.detach().clone() for layer in layers]
+        sweep = {}
+        for e, mb in CAST_SWEEP:
+            with torch.no_grad():
+                for layer, w in zip(layers, w0):
+                    layer.weight.copy_(cast_tiles(w, e, mb))
+            sweep[f"e{e}m{mb}"] = val() - before
+        with torch.no_grad():
+            for layer, w in zip(layers, w0):
+                layer.weight.copy_(w)
         share = cast_to_tiers(model)
         after = val()
         rows[label] = dict(val_loss_before=before, val_loss_after=after, delta=after - before,
-                           tier_share=share, tiers=tiers)
+                           tier_share=share, tiers=tiers, sweep_delta=sweep)
         print(f"[cast] {label} ({tiers}): val loss {before:.4f} -> {after:.4f} ({after - before:+.4f}); "
-              + ", ".join(f"{k} {v:.1%}" for k, v in share.items() if v))
+              + ", ".join(f"{k} {v:.1%}" for k, v in share.items() if v)
+              + "; every tile at " + ", ".join(f"{k} {v:+.4f}" for k, v in sweep.items()))
         del model
     return rows, bits
 
@@ -929,6 +950,28 @@ def _plot_bitwidth(stats, png, title):
     ax.set_xticks(list(x))
     ax.set_xticklabels([k.replace("blocks.", "") for k in names], rotation=90, fontsize=6)
     ax.set_ylabel("b_t (bits)")
+    _finish(plt, fig, ax, png)
+
+
+def _plot_cast(cast, png):
+    """Experiment 5: val-loss change after casting every PQT tile to each CAST_SWEEP format, one
+    line per run label (the mean over its seeds, labels "<run> s<seed>"), log scale."""
+    plt = _pyplot()
+    rows = {k: v for k, v in cast.items() if v.get("sweep_delta")}
+    if plt is None or not rows:
+        return
+    by_run = {}
+    for label, row in rows.items():
+        by_run.setdefault(label.rsplit(" s", 1)[0], []).append(row["sweep_delta"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run, sweeps in by_run.items():
+        fmts = list(sweeps[0])
+        ax.plot(fmts, [max(sum(s[f] for s in sweeps) / len(sweeps), 1e-5) for f in fmts], marker="o",
+                label=f"{run} ({len(sweeps)} seeds)")
+    ax.set_yscale("log")
+    ax.set_xlabel("format of every PQT tile (per-tile power-of-two scale)")
+    ax.set_ylabel("val loss increase (mean over seeds; floor 1e-5)")
+    ax.set_title("Experiment 5: cast after training")
     _finish(plt, fig, ax, png)
 
 
@@ -1028,6 +1071,9 @@ def plot_results(paths):
                 if any(row.get("curves") for row in rows.values()):
                     _plot_quality(exp, rows, f"{stem}_{exp}.png", train_loss=exp == "zeropoint")
                     out.append(f"{stem}_{exp}.png")
+            if any(v.get("sweep_delta") for v in (r.get("cast") or {}).values()):
+                _plot_cast(r["cast"], f"{stem}_cast.png")
+                out.append(f"{stem}_cast.png")
             for label, b in (r.get("bitwidth") or {}).items():
                 if b["method"] == "gaussws":
                     stats = dict(b["layers"], all={k: b[k] for k in ("share_le5", "share_le9", "share_le12")})

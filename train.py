@@ -35,7 +35,7 @@ SCHEDULES = ("wsd", "cosine", "constant")
 CKPT_FORMAT = "gaussws-adam4bit-train-v1"
 # Peak learning rates: paper B Table 7 where it has the size, nanoGPT's 6e-4 for GPT-2 124M,
 # and a larger rate for the CPU-sized models (few hundred steps).
-DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "tiny-llama": 2e-3, "gpt2-124m": 6e-4, "gpt-162m": 1e-3,
+DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "mini": 2e-3, "tiny-llama": 2e-3, "gpt2-124m": 6e-4, "gpt-162m": 1e-3,
               "gpt-405m": 6e-4, "gpt-834m": 6e-4, "llama-130m": 2e-3, "llama-134m": 2e-3,
               "llama-1b": 3e-4, "llama-3b": 1.5e-4, "llama-70b-4l": 1e-4}
 # Run settings that may differ between a checkpoint and the run resuming it (they do not change
