@@ -739,27 +739,56 @@ def _finish(plt, fig, ax, png):
 
 
 def _plot_quality(exp, rows, png, train_loss=False):
-    """Val-loss curves of an experiment's runs from its result rows (label -> row with "curves";
-    train_loss=True: the smoothed training loss, as in paper B Figure 1)."""
+    """Curves of an experiment's runs from its result rows (label -> row with "curves").
+    train_loss=True: the smoothed training loss of every seed (as in paper B Figure 1). Otherwise
+    the val loss averaged over seeds per run, and beside it each run's gap to the first run (the
+    baseline) at the same evals, where differences of 0.01 would be invisible on the loss scale."""
     plt = _pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    top = None
-    for label, row in rows.items():
+    if train_loss:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        top = None
+        for label, row in rows.items():
+            for c in row.get("curves", []):
+                pts = c["train"]
+                if not pts:
+                    continue
+                if top is None:     # y range: the first run's curve after its first steps
+                    top = max(p[1] for p in pts[len(pts) // 20:])
+                    bottom = min(p[1] for p in pts)
+                ax.plot(*zip(*pts), lw=1, label=f"{label} seed {c['seed']}")
+        if top is not None and math.isfinite(top) and math.isfinite(bottom):
+            ax.set_ylim(bottom - 0.05 * (top - bottom), top + 0.05 * (top - bottom))
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (smoothed)")
+        ax.set_title(exp)
+        _finish(plt, fig, ax, png)
+        return
+
+    def mean_curve(row):   # {step: mean val loss over the seeds that have it}
+        by_step = {}
         for c in row.get("curves", []):
-            pts = c["train" if train_loss else "val"]
-            if not pts:
-                continue
-            if train_loss and top is None:     # y range: the first run's curve after its first steps
-                top = max(p[1] for p in pts[len(pts) // 20:])
-                bottom = min(p[1] for p in pts)
-            ax.plot(*zip(*pts), lw=1, marker=None if train_loss else "o", ms=3, label=f"{label} seed {c['seed']}")
-    if top is not None and math.isfinite(top) and math.isfinite(bottom):
-        ax.set_ylim(bottom - 0.05 * (top - bottom), top + 0.05 * (top - bottom))
+            for step, v in c["val"]:
+                by_step.setdefault(step, []).append(v)
+        return {k: sum(v) / len(v) for k, v in sorted(by_step.items())}
+    curves = {label: mean_curve(row) for label, row in rows.items()}
+    base = next(iter(curves.values()), {})
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, cv in curves.items():
+        n = len(rows[label].get("curves", []))
+        if cv:
+            ax.plot(list(cv), list(cv.values()), lw=1, marker="o", ms=3, label=f"{label} ({n} seeds)")
+        late = [k for k in cv if k in base and k >= 0.2 * max(base)]
+        ax2.plot(late, [cv[k] - base[k] for k in late], lw=1, marker="o", ms=3, label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (smoothed)" if train_loss else "val loss")
+    ax.set_ylabel("val loss (mean over seeds)")
     ax.set_title(exp)
+    ax2.axhline(0, color="k", lw=0.8)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel(f"val loss - {next(iter(rows), '')} (means)")
+    ax2.set_title(f"{exp}: gap to the first run, from 20 % of the steps")
+    ax2.grid(alpha=0.3)
     _finish(plt, fig, ax, png)
 
 

@@ -2440,6 +2440,12 @@ def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     ctrl = cast["bf16/adamw s0"]                                    # control: every tile at b_target 4 -> FP8
     assert ctrl["tiers"] == "fixed b_target 4" and ctrl["tier_share"]["FP8 e3m4"] == 1.0
     assert ctrl["val_loss_after"] != ctrl["val_loss_before"]         # the evaluated model was cast
+    # the sweep casts the same layers to each format from the trained weights (restored after it):
+    # its e3m4 row is the control's all-FP8 tier cast, the coarsest format costs the most
+    for c in cast.values():
+        assert list(c["sweep_delta"]) == [f"e{e}m{m}" for e, m in bench.CAST_SWEEP]
+    assert ctrl["sweep_delta"]["e3m4"] == ctrl["delta"]
+    assert ctrl["sweep_delta"]["e3m1"] > abs(ctrl["sweep_delta"]["e3m4"])
     bits = out["bitwidth"]["gaussws/adamw s0"]
     share = cast["gaussws/adamw s0"]["tier_share"]
     assert share["FP8 e3m4"] == pytest.approx(bits["share_le5"])
@@ -2466,14 +2472,15 @@ def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     assert curve["train"][0] == (0, [x["loss"] for x in logged if x["type"] == "step"][0])
 
     pytest.importorskip("matplotlib")
-    for png in ("pqt.png", "zeropoint.png", "bitwidth.png"):
+    for png in ("pqt.png", "zeropoint.png", "bitwidth.png", "cast.png"):
         assert os.path.getsize(tmp_path / png) > 0
     path = str(tmp_path / "GPU_2026-01-01_quality.json")
     with open(path, "w") as f:
         json.dump(dict(out, gpu="GPU", date="2026-01-01"), f)
     pngs = bench.plot_results([path])
     assert sorted(os.path.basename(p) for p in pngs) == sorted(
-        ["GPU_2026-01-01_quality.png", "GPU_2026-01-01_quality_bitwidth.png"]
+        ["GPU_2026-01-01_quality.png", "GPU_2026-01-01_quality_bitwidth.png",
+         "GPU_2026-01-01_quality_cast.png"]
         + [f"GPU_2026-01-01_quality_{e}.png" for e in res])
     assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
@@ -2505,7 +2512,7 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
     assert path.startswith(os.path.join("results", "cpu_"))
     assert res["command"].startswith("python bench.py --only quality --preset nano") and "--iters 2" in res["command"]
     assert set(res["experiments"]) == {"pqt"} and res["seeds"] == [3]
-    assert set(res["experiments"]["pqt"]) == {"bf16/adamw", "gaussws/adamw", "diffq/adamw"}
+    assert set(res["experiments"]["pqt"]) == {"bf16/adamw", "gaussws/adamw", "diffq/adamw", "gaussws/adamw bits_wd 0.5"}
     assert train.read_log(os.path.join("results", "quality_cpu_nano", "bf16_adamw_s3", "log.jsonl"))[-1]["iters"] == 2
     # --resume: finished runs are read back, not trained again (their logs stay as they are)
     log = os.path.join("results", "quality_cpu_nano", "gaussws_adamw_s3", "log.jsonl")
@@ -2513,7 +2520,7 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench.py", *argv, "--resume"])
     capsys.readouterr()
     bench.main()
-    assert capsys.readouterr().out.count("the run is finished; nothing to do") == 3
+    assert capsys.readouterr().out.count("the run is finished; nothing to do") == 4   # the 4 pqt runs
     assert open(log).read() == before
     assert json.load(open(path))["experiments"] == res["experiments"]
     # an explicit --out_dir keeps the JSON there (results/ is left alone)
