@@ -9,8 +9,8 @@ launch overhead included) measured in the same run as its baselines, reported as
     python bench.py --only train    # paper A Table 1: tokens/s, peak memory, overhead vs BF16
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
     python bench.py --only quality --dataset D --preset small   # the papers' loss comparisons
-    python bench.py --only quality --experiments pqt,zeropoint --seeds 0,1 --iters 2000 --jobs 8 \
-        --train_args "--batch_size 32"       # 8 concurrent train.py runs (CPU works too)
+    python bench.py --only quality --preset mini --dataset D --seeds 0,1,2,3 --tokens_per_param 20 \
+        --jobs 20 --train_args "--tokenizer byte --batch_size 128"   # 20 concurrent train.py runs
 
 Results are printed as a table and written to results/<gpu>_<date>_<section>.json.
 """
