@@ -643,7 +643,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     """Train every run of `experiments` for each seed with the same train.py flags (`train_args`:
     preset, dataset, steps, ...) and compare final val losses (mean over seeds).
     For "optim" also the gap to 32-bit AdamW and the share of TorchAO's gap each method closes
-    (paper B: ZIP-SR / ZE-EDEN close 28-70 %); for "zeropoint" (paper B Figure 1) the training-loss
+    (paper B: ZIP-SR / ZE-EDEN close up to 70 % of it at every size); for "zeropoint" (paper B Figure 1) the training-loss
     curves, where a diverged run (NaN/inf loss) is recorded with its step instead of stopping the
     bench. With an experiment "pqt" and cast=True also experiment 5 (bench_cast: val loss before
     and after casting tiles to their Table C formats) and the Figure 5 bitwidth chart.
@@ -1032,7 +1032,12 @@ def plot_results(paths):
     for path in paths:
         with open(path) as f:
             r = json.load(f)
-        stem, section = path[:-5], path[:-5].rsplit("_", 1)[-1]
+        stem = path[:-5]
+        section = os.path.basename(stem).rsplit("_", 1)[-1]   # <gpu>_<date>_<section>, or quality.json
+        if section not in ("optim", "memory", "noise", "train", "ddp", "quality"):
+            print(f"(no plot for {path}: the file name must end in _<section>.json, section one of "
+                  "optim, memory, noise, train, ddp, quality)")
+            continue
         title = f"{r.get('gpu', '')} {r.get('date', '')}: {r.get('command', '')}"[:110]
         fig = None
         if section == "optim":
@@ -1150,7 +1155,8 @@ def main():
                     help="--only quality: concurrent train.py subprocesses (spread over visible GPUs); "
                          "1 = train in this process")
     ap.add_argument("--train_args", default="",
-                    help='--only quality: extra train.py flags for every run, e.g. "--batch_size 32 --block_size 256"')
+                    help='--only quality: extra train.py flags for every run, e.g. "--batch_size 32 --block_size 256"; '
+                         'a single flag needs the = form: --train_args=--no-compile')
     ap.add_argument("--out_dir", default=None,
                     help="--only quality: run folders and plots; default results/quality_[cpu_]<preset>")
     ap.add_argument("--resume", action="store_true",
@@ -1181,7 +1187,11 @@ def main():
         managed = {"--max_iters": "--iters", "--tokens_per_param": "--tokens_per_param", "--seed": "--seeds",
                    "--method": "--experiments", "--optim": "--experiments", "--out_dir": "--out_dir",
                    "--resume": "--resume", "--preset": "--preset", "--dataset": "--dataset"}
-        for tok in shlex.split(args.train_args):
+        try:
+            train_tokens = shlex.split(args.train_args)
+        except ValueError as e:
+            ap.error(f"--train_args {args.train_args!r}: {e} (quote it as one shell word)")
+        for tok in train_tokens:
             flag = tok.split("=")[0]
             if flag in managed:
                 ap.error(f"--train_args {args.train_args!r}: {flag} is set per run by bench.py; "

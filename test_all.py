@@ -2485,7 +2485,7 @@ def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
-def test_plot_results_draws_every_h200_section(tmp_path):
+def test_plot_results_draws_every_h200_section(tmp_path, capsys):
     """bench.py --only plots: one PNG per committed H200 result JSON (optim, memory, noise, ddp)."""
     pytest.importorskip("matplotlib")
     import glob
@@ -2497,6 +2497,10 @@ def test_plot_results_draws_every_h200_section(tmp_path):
         shutil.copy(p, tmp_path)
     pngs = bench.plot_results(sorted(str(tmp_path / os.path.basename(p)) for p in src))
     assert len(pngs) == len(src) and all(open(p, "rb").read(4) == b"\x89PNG" for p in pngs)
+    # a name without a known section is skipped with a message, not silently
+    shutil.copy(src[0], tmp_path / "mystery.json")
+    assert bench.plot_results([str(tmp_path / "mystery.json")]) == []
+    assert "no plot for" in capsys.readouterr().out
 
 
 def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
@@ -2532,7 +2536,9 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
     for bad, said in ((["--experiments", "pqt,nope"], "--experiments"), (["--seeds", "0,x"], "--seeds"),
                       (["--seeds", "1,1"], "distinct"), (["--seeds", "-1"], ">= 0"), (["--jobs", "0"], "--jobs 0"),
                       (["--iters", "0"], "--iters 0"), (["--train_args", "--seed 4"], "use bench.py's --seeds"),
-                      (["--train_args=--max_iters=9"], "use bench.py's --iters")):
+                      (["--train_args=--max_iters=9"], "use bench.py's --iters"),
+                      (["--train_args", "--max_it 3"], "--max_it"),         # no abbreviation of --max_iters
+                      (["--train_args", '--tokenizer "byte'], "--train_args")):   # unbalanced quote
         monkeypatch.setattr(sys, "argv", ["bench.py", *argv, *bad])
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:

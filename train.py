@@ -56,8 +56,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser():
+    # allow_abbrev=False: bench.py sets some flags per run and refuses them in --train_args by
+    # name, so an abbreviation (--max_it) must not slip through as the full flag
     p = OneLineParser(prog="train.py", description=__doc__.split("\n\n")[0].strip(),
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", default="auto", choices=("auto",) + tuple(PRESETS),
                    help="model shape; auto: tiny on CPU, gpt2-124m on CUDA")
