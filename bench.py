@@ -643,8 +643,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     """Train every run of `experiments` for each seed with the same train.py flags (`train_args`:
     preset, dataset, steps, ...) and compare final val losses (mean over seeds).
     For "optim" also the gap to 32-bit AdamW and the share of TorchAO's gap each method closes
-    (paper B: ZIP-SR / ZE-EDEN close up to 70 % of it at every size); for "zeropoint" (paper B Figure 1) the training-loss
-    curves, where a diverged run (NaN/inf loss) is recorded with its step instead of stopping the
+    (paper B: ZIP-SR / ZE-EDEN close up to 70 % of it at every size); for "zeropoint" (paper B
+    Figure 1) the training-loss curves, where a diverged run (NaN/inf loss) is recorded with its step instead of stopping the
     bench. With an experiment "pqt" and cast=True also experiment 5 (bench_cast: val loss before
     and after casting tiles to their Table C formats) and the Figure 5 bitwidth chart.
     jobs=1 trains in this process; jobs>1 runs that many `python train.py` subprocesses at once,
@@ -779,7 +779,7 @@ def _plot_quality(exp, rows, png, train_loss=False):
         n = len(rows[label].get("curves", []))
         if cv:
             ax.plot(list(cv), list(cv.values()), lw=1, marker="o", ms=3, label=f"{label} ({n} seeds)")
-        late = [k for k in cv if k in base and k >= 0.2 * max(base)]
+        late = [k for k in cv if k in base and k >= 0.2 * max(base, default=0)]
         ax2.plot(late, [cv[k] - base[k] for k in late], lw=1, marker="o", ms=3, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("val loss (mean over seeds)")
