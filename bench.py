@@ -644,8 +644,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     preset, dataset, steps, ...) and compare final val losses (mean over seeds).
     For "optim" also the gap to 32-bit AdamW and the share of TorchAO's gap each method closes
     (paper B: ZIP-SR / ZE-EDEN close up to 70 % of it at every size); for "zeropoint" (paper B
-    Figure 1) the training-loss curves, where a diverged run (NaN/inf loss) is recorded with its step instead of stopping the
-    bench. With an experiment "pqt" and cast=True also experiment 5 (bench_cast: val loss before
+    Figure 1) the training-loss curves, where a diverged run (NaN/inf loss) is recorded with its
+    step instead of stopping the bench. With an experiment "pqt" and cast=True also experiment 5 (bench_cast: val loss before
     and after casting tiles to their Table C formats) and the Figure 5 bitwidth chart.
     jobs=1 trains in this process; jobs>1 runs that many `python train.py` subprocesses at once,
     spread over the visible GPUs. Runs shared between experiments are trained once.
