@@ -91,6 +91,7 @@ def _optimizers():
 
 def bench_optim(quick=False):
     """Optimizer step time on GPT-2-124M shapes and on one flat 1B tensor (paper B storage)."""
+    import train as trainer
     bw = copy_bandwidth()
     rows = []
     cases = [("gpt2-124m (75 tensors)", gpt2_shapes(), torch.float32),
@@ -114,8 +115,7 @@ def bench_optim(quick=False):
             except Exception as e:
                 print(f"  {case} {name}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            state = sum(t.numel() * t.element_size() for st in opt.state.values()
-                        for k, t in st.items() if torch.is_tensor(t) and t.dim() > 0)
+            state = trainer.optimizer_state_bytes(opt)
             if name == "torch AdamW fused":
                 base = ms
             # bytes moved: param r+w (8), grad read, state r+w
