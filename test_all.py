@@ -2393,10 +2393,12 @@ def test_bad_v_flags_give_one_line_errors(argv, msg, capsys, tmp_path):
     assert not os.path.exists(tmp_path / "never")               # refused before data and model
 
 
-def test_v_flags_are_in_the_run_config_for_resume(corpus, tmp_path):
+def test_v_flags_are_in_the_run_config_for_resume(corpus, tmp_path, capsys):
     a = nano_args(corpus, "--optim", "zipsr", "--v_rounding", "state-rtn", "--max_iters", "2", "--no-plot",
                   "--out_dir", str(tmp_path))
     train.main(a)
+    lr = train.DEFAULT_LR["nano"]
+    assert f"optimizer zipsr --v_rounding state-rtn, lr {lr:g} (wsd), 2 steps of" in capsys.readouterr().out
     cfg = torch.load(tmp_path / "ckpt.pt", weights_only=True)["config"]
     assert (cfg["v_rounding"], cfg["v_codebook"]) == ("state-rtn", None)
     with pytest.raises(train.RunError, match=r"--v_rounding 'state-rtn' \(checkpoint\) vs 'state-sr' \(now\)"):

@@ -604,7 +604,8 @@ def train(args, ddp, rank, world, device, device_type):
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
         say(f"resumed from {resume_path} at step {start_iter}")
         del ckpt
-    say(f"optimizer {args.optim}" + "".join(f" --{k} {v}" for k, v in optimizer_overrides(args).items()) + ", lr {args.lr:g} ({args.schedule}), {args.max_iters} steps of "
+    overrides = "".join(f" --{k} {v}" for k, v in optimizer_overrides(args).items())
+    say(f"optimizer {args.optim}{overrides}, lr {args.lr:g} ({args.schedule}), {args.max_iters} steps of "
         f"{tokens_per_step:,} tokens ({args.batch_size} x {args.block_size} x {args.grad_accum}), "
         f"{args.max_iters * tokens_per_step / max(n_params, 1):.2f} tokens/param")
 
