@@ -567,14 +567,15 @@ def _train_subprocesses(todo, jobs):
     runs take equal time). A run's output goes to out_dir/train.out. Returns {out_dir: message}
     for runs that failed other than by diverging (their train.py exited non-zero without an
     "error" record in log.jsonl)."""
-    import subprocess
-    import sys
-    import time
-    here = os.path.dirname(os.path.abspath(__file__))
     import signal
+    import subprocess
+    import threading
+    import time
+    import train as trainer
+    here = os.path.dirname(os.path.abspath(__file__))
     gpus, queue, running, failed = _visible_gpus(), list(todo), [], {}
     # a time limit or scheduler sends SIGTERM: raise SystemExit so the finally below ends the runs
-    main_thread = __import__("threading").current_thread() is __import__("threading").main_thread()
+    main_thread = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if main_thread else None
     try:
         while queue or running:
@@ -601,7 +602,6 @@ def _train_subprocesses(todo, jobs):
                 running.remove(r)
                 status = "done"
                 if p.returncode:
-                    import train as trainer
                     if any(x.get("type") == "error" for x in trainer.read_log(os.path.join(d, "log.jsonl"))):
                         status = "diverged"
                     else:
@@ -623,11 +623,11 @@ def _read_run(d):
     recs = trainer.read_log(os.path.join(d, "log.jsonl"))
     s = next((r for r in reversed(recs) if r.get("type") == "summary"), None) or {}
     err = next((r for r in reversed(recs) if r.get("type") == "error"), None)
-    steps = [r["loss"] for r in recs if r.get("type") == "step"]
-    tail = steps[-max(1, len(steps) // 10):]
     pts = [(r["iter"], r["loss"]) for r in recs if r.get("type") == "step"]
+    steps = [loss for _, loss in pts]
+    tail = steps[-max(1, len(steps) // 10):]
     k = max(1, len(pts) // 50)          # moving average over 2 % of the steps (paper B Figure 1)
-    smooth = [(pts[i][0], sum(p[1] for p in pts[max(0, i - k + 1):i + 1]) / len(pts[max(0, i - k + 1):i + 1]))
+    smooth = [(pts[i][0], sum(win := steps[max(0, i - k + 1):i + 1]) / len(win))
               for i in range(0, len(pts), max(1, len(pts) // 200))]
     return dict(dir=d, log=os.path.join(d, "log.jsonl"), diverged_at=err["iter"] if err else None,
                 val_curve=[(r["iter"], r["val_loss"]) for r in recs if r.get("type") == "eval"],
