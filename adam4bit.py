@@ -39,7 +39,7 @@ COORDS = ("state", "update")
 def sqrt_rn(x):
     """Correctly rounded float32 sqrt (torch's vectorized CPU sqrt may be off by one ulp); the
     float64 detour rounds correctly, so the reference and the kernel's sqrt_rn agree bit for bit."""
-    return x.double().sqrt().float()
+    return x.double().sqrt().to(x.dtype)
 
 
 def _denominator(v, bias_correction2, eps, sqrt_v=None):
@@ -61,35 +61,37 @@ def preconditioner(v, bias_correction2, eps):
 
 
 def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, eps=1e-8, u=None,
-                    sqrt_levels=None):
-    """Round each x to one of its two adjacent decoded levels; return int64 codes (level indices).
+                    r_x=None, r_scale=None):
+    """Round each x to one of its two adjacent levels; return int64 codes (level indices).
 
-    x:      float32 tensor (..., n).
-    levels: float32 tensor (..., K) of decoded levels sorted ascending, K >= 2; its leading dims
-            match x's (one level set per block: x (nblocks, B), levels (nblocks, K)), or levels
-            is 1-D (K,) and shared by all of x.
+    x:      float tensor (..., n), in the units of `levels` (quantize_blockwise passes y = x / s).
+    levels: 1-D float tensor (K,) sorted ascending, K >= 2, same dtype as x.
     rule:   "rtn" or "sr" (paper B, Appendix A.2); coord: "state" (phi(v) = v) or "update"
             (phi = h_t, nonnegative levels only).
-    u:      float32 uniforms in [0, 1) shaped like x, required for rule="sr".
-    sqrt_levels: optional sqrt of the levels (same shape) used for h_t(level); quantize_blockwise
-            passes sqrt(s) * sqrt(T) so the kernel reads a table instead of taking two roots.
-    Saturation outside [levels[0], levels[-1]] falls out of p > 1 / p < 0 (module docstring).
+    u:      uniforms in [0, 1) shaped like x, required for rule="sr".
+    r_x, r_scale: update coordinate only. r_x = r_t of the unnormalized value (default r_t(x)),
+            and a level's r_t is r_scale * sqrt(level) + eps (default r_scale = 1/sqrt(bc2));
+            quantize_blockwise passes r_scale = sqrt(s)/sqrt(bc2) per block, so r_t(s T[k]) needs
+            one table read of sqrt(T[k]), a multiply and an add.
+    State-RTN is the nearest level, with y >= (a + b) / 2 (float midpoint) rounding up; the
+    others compare p = num/den as in the module docstring. Values outside [levels[0], levels[-1]]
+    saturate.
     """
-    K = levels.shape[-1]
-    levels = levels.expand(*x.shape[:-1], K)
-    count = sum((levels[..., k:k + 1] <= x).long() for k in range(K))   # levels <= x
-    lo = (count - 1).clamp(0, K - 2)
-    a, b = levels.gather(-1, lo), levels.gather(-1, lo + 1)
+    K = levels.numel()
+    if rule == "rtn" and coord == "state":
+        mid = (levels[:-1] + levels[1:]) / 2
+        return torch.searchsorted(mid, x.contiguous(), right=True)   # #{midpoints <= x}
+    lo = torch.searchsorted(levels[1:K - 1], x.contiguous(), right=True)  # max{k <= K-2: level <= x}
+    a, b = levels[lo], levels[lo + 1]
     # p = (phi(b) - phi(x)) / (phi(b) - phi(a)) = num / den, den > 0 inside the cell; decided
     # without a division: RTN takes a iff 2 num > den, SR iff u den < num. For phi = h = 1/r:
     # p = (1/rb - 1/rx) / (1/rb - 1/ra) = (rb - rx) ra / ((rb - ra) rx).
     if coord == "update":
-        if sqrt_levels is None:
-            sqrt_levels = sqrt_rn(levels)
-        sqrt_levels = sqrt_levels.expand(*x.shape[:-1], K)
-        ra = _denominator(a, bias_correction2, eps, sqrt_levels.gather(-1, lo))
-        rb = _denominator(b, bias_correction2, eps, sqrt_levels.gather(-1, lo + 1))
-        rx = _denominator(x, bias_correction2, eps)
+        if r_scale is None:
+            r_scale = _f32(1 / math.sqrt(bias_correction2))
+        ra = r_scale * sqrt_rn(a) + eps
+        rb = r_scale * sqrt_rn(b) + eps
+        rx = _denominator(x, bias_correction2, eps) if r_x is None else r_x
         num, den = (rb - rx) * ra, (rb - ra) * rx
     else:
         num, den = b - x, b - a
@@ -140,7 +142,7 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     rule/coord: "rtn"|"sr" and "state"|"update"; coord="update" rounds in h_t space with
               bias_correction2 = 1 - b2^t of the step being stored, and eps of AdamW.
     eden:     EDEN calibration (paper B, Sec. 3.2): stored scale = c_tau * s with
-              c_tau = ||y||² / max(<y, T[code]>, tau), y = x/s, tau = 1e-12 (the normalized form,
+              c_tau = ||y||² / max(<y, T[code]>, tau), y = x (1/s), tau = 1e-12 (the normalized form,
               sums in float64); an all-zero block gets c_tau = 0 and decodes to zero.
     u:        optional float32 uniforms in [0, 1) shaped like x for rule="sr" (else drawn with
               torch.rand(generator=generator)).
@@ -152,18 +154,21 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     xb = x.detach().reshape(-1, block_size).float()
     if coord == "update" and bool((xb < 0).any()):
         raise ValueError("coord='update' rounds second moments: x must be nonnegative")
-    s = xb.abs().amax(dim=1).clamp_min(1e-12)
-    levels = s[:, None] * T[None, :]                            # decoded levels, (nb, K)
+    s = xb.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    y = xb * (1 / s)                 # normalized to [-1, 1]: one reciprocal per block
     if rule == "sr" and u is None:
         u = torch.rand(xb.shape, device=xb.device, generator=generator)
     if rule == "sr":
         if u.numel() != xb.numel():
             raise ValueError(f"u must have one uniform per element of x ({xb.numel()}), got {u.numel()}")
         u = u.reshape(xb.shape)
-    sqrt_levels = sqrt_rn(s)[:, None] * sqrt_rn(T)[None, :] if coord == "update" else None
-    codes = round_to_levels(xb, levels, rule, coord, bias_correction2, eps, u, sqrt_levels)
+    r_x = r_scale = None
+    if coord == "update":
+        r_x = _denominator(xb, bias_correction2, eps)
+        r_scale = sqrt_rn(s) * _f32(1 / math.sqrt(bias_correction2))
+    codes = round_to_levels(y, T, rule, coord, bias_correction2, eps, u, r_x, r_scale)
+    s = s.view(-1)
     if eden:
-        y = xb / s[:, None]
         q = T[codes]
         # float64 sums: the Triton kernel reduces in another order, and in float64 both round to
         # the same float32 c (the products y*y, y*q are float32 in both).
@@ -204,33 +209,8 @@ PRESETS = {
 }
 V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
 IMPLS = ("auto", "torch", "triton")
+_SEED_MOD = 2 ** 31 - 1
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
-KERNEL_ELEMS, KERNEL_WARPS = 128, 1    # elements per Triton program, warps (best of a sweep on H200)
-LUT_BUCKETS = 1024                     # buckets of y = x / s over [-1, 1] in the kernel's level search
-_LUT_N = tl.constexpr(LUT_BUCKETS)     # the same, as Triton kernels may read it
-
-
-def _level_lut(T, n=LUT_BUCKETS, margin=2.0 ** -12):
-    """Start of the Triton kernel's level search for a sorted codebook T (K values in [-1, 1]).
-
-    Bucket j of y = x / s covers [e_j, e_j+1), e_j = -1 + 2j/n. lut[j] = #{k in 1..K-2 :
-    T[k] <= e_j - margin} counts the inner levels surely below any y of the bucket, and at most
-    one more inner level can lie in [e_j - margin, e_j+1 + margin), so the exact index
-    max{k <= K-2 : s T[k] <= x} is lut[j] or lut[j] + 1 (the margin, 2^-12, covers the float32
-    error of computing y as x * (1/s), ~1e-7). Returns int32 (n,). Raises ValueError if two
-    levels are closer than one bucket plus margins (every paper codebook is >= 0.0032 apart;
-    a bucket is 0.002)."""
-    K = T.numel()
-    edges = -1 + 2 * torch.arange(n + 1, dtype=torch.float64) / n
-    inner = T[1:K - 1].double()
-    lut = (inner[None, :] <= edges[:-1, None] - margin).sum(1)
-    most = (inner[None, :] < edges[1:, None] + margin).sum(1)
-    if K > 2 and ((most - lut).max() > 1 or T.abs().max() > 1):
-        raise ValueError(f"codebook levels {T.tolist()} are closer than the kernel's level "
-                         f"buckets (2/{n} plus margins) or outside [-1, 1]")
-    return lut.to(torch.int32)
-
-
 def _check_hparams(h, where):
     """ValueError/TypeError naming the hyperparameter, its value and the allowed range."""
     lr, betas, eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
@@ -355,7 +335,7 @@ class AdamW4bit(torch.optim.Optimizer):
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
-        self._codebooks, self._prog_tables = {}, {}     # per-device caches of the Triton path
+        self._codebooks, self._prog_tables, self._tabs = {}, {}, {}  # caches of the Triton path
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -401,7 +381,7 @@ class AdamW4bit(torch.optim.Optimizer):
 
     def _init_state(self, p):
         st = self.state[p]
-        st["step"] = torch.tensor(0.0)
+        st["step"] = 0.0        # a Python number: no tensor op per parameter and step
         if self.is_quantized(p):
             n, B = p.numel(), self.qcfg["block_size"]
             for k in ("exp_avg", "exp_avg_sq"):
@@ -460,6 +440,8 @@ class AdamW4bit(torch.optim.Optimizer):
             for k, t in state_dict["state"].get(pid, {}).items():
                 if k != "step" and torch.is_tensor(t):
                     self.state[p][k] = t.detach().to(device=p.device).clone()
+            if "step" in self.state[p]:
+                self.state[p]["step"] = float(self.state[p]["step"])   # older checkpoints: a tensor
         extra = state_dict.get("adam4bit_extra", {})
         self.seed = int(extra.get("seed", self.seed))
         self.progress = float(extra.get("progress", self.progress))
@@ -478,6 +460,7 @@ class AdamW4bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         index = 0
         for group in self.param_groups:
             lr = group["lr"]
@@ -493,24 +476,23 @@ class AdamW4bit(torch.optim.Optimizer):
                                        "use dense gradients (e.g. nn.Embedding(sparse=False))")
                 st = self.state[p] if self.state[p] else self._init_state(p)
                 st["step"] += 1
-                t = int(st["step"].item())
+                t = int(st["step"])
                 if not self.is_quantized(p):
                     fp32.append((p, st, t))
                     continue
-                m_rule, seed = self.m_rounding_for(p), self._step_seed(t, index)
-                if self._use_triton(p):
-                    quant.setdefault((t, p.grad.dtype, m_rule), []).append((p, st, seed))
+                m_rule = self.m_rounding_for(p)
+                if self._use_triton(p, interp):
+                    quant.setdefault((t, p.grad.dtype, m_rule), []).append((p, st, index))
                 else:
-                    self._step_quantized_torch(p, p.grad, st, *hp, t, m_rule, seed)
+                    self._step_quantized_torch(p, p.grad, st, *hp, t, m_rule, self._step_seed(t, index))
             _adamw_fp32_steps(fp32, *hp)
             for (t, _, m_rule), items in quant.items():
                 self._step_quantized_triton(items, *hp, t, m_rule)
         return loss
 
-    def _use_triton(self, p):
+    def _use_triton(self, p, interp):
         if self.impl == "torch":
             return False
-        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         ok = (p.is_cuda or interp) and p.dtype == torch.float32 and p.is_contiguous() and \
             p.grad.dtype in (torch.float32, torch.bfloat16) and p.grad.is_contiguous()
         if self.impl == "triton" and not ok:
@@ -520,18 +502,23 @@ class AdamW4bit(torch.optim.Optimizer):
         return ok and (p.is_cuda or self.impl == "triton")
 
     def _step_seed(self, t, index):
-        # Independent SR bits per (seed, step, parameter); 31 bits so both torch and Triton take it.
-        return (self.seed * 1_000_003 + t * 65_537 + index * 257) % (2 ** 31 - 1)
+        # Independent SR bits per (seed, step, parameter); 31 bits so both torch and Triton take
+        # it. The kernel adds the two terms itself (its launch table is then the same each step).
+        return (self._seed_of_step(t) + index * 257 % _SEED_MOD) % _SEED_MOD
+
+    def _seed_of_step(self, t):
+        return (self.seed * 1_000_003 + t * 65_537) % _SEED_MOD
 
     def _step_quantized_torch(self, p, grad, st, lr, b1, b2, eps, wd, t, m_rule, seed, u=None):
         """Reference step of one quantized tensor (paper B, Sec. 2.1). `u`: optional pair of
         uniform tensors (for m, for v) replacing the generator's SR bits, for kernel tests."""
         c, B = self.qcfg, self.qcfg["block_size"]
         g = grad.reshape(-1).float()
-        m_prev = dequantize_blockwise(st["exp_avg"], st["exp_avg_scale"], c["m_codebook"], B)
-        v_prev = dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_scale"], c["v_codebook"], B)
-        m = m_prev * b1 + g * (1 - b1)
-        v = v_prev * b2 + g * g * (1 - b2)
+        # b1 Q(m) decoded as T[code] * (b1 s): the beta joins the per-block scale (one multiply
+        # per block instead of one per element, the kernel's order)
+        m = dequantize_blockwise(st["exp_avg"], st["exp_avg_scale"] * b1, c["m_codebook"], B) + g * (1 - b1)
+        v = dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_scale"] * b2, c["v_codebook"], B) \
+            + g * g * (1 - b2)
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         w = p.detach().reshape(-1).float()
         w = w * (1 - lr * wd) - (lr / bc1) * m / _denominator(v, bc2, eps)
@@ -545,49 +532,48 @@ class AdamW4bit(torch.optim.Optimizer):
             v, c["v_codebook"], B, v_rule, v_coord, bc2, eps, c["eden"], u=u_v, generator=gen)
 
     def _step_quantized_triton(self, items, lr, b1, b2, eps, wd, t, m_rule, u=None):
-        """Fused step of many quantized tensors in one kernel launch (items: (param, state, seed))."""
+        """Fused step of many quantized tensors in one kernel launch; items: (param, state, index),
+        index = the parameter's position from 1 (its SR seed is _step_seed(t, index))."""
         c, B = self.qcfg, self.qcfg["block_size"]
         dev = items[0][0].device
-        cbs = self._codebooks.get(dev)
-        if cbs is None:
-            T_m, T_v = (get_codebook(c[k]) for k in ("m_codebook", "v_codebook"))
-            cbs = self._codebooks[dev] = tuple(t.to(dev) for t in (
-                T_m, T_v, sqrt_rn(T_v), _level_lut(T_m), _level_lut(T_v)))
+        tabs = self._codebooks.get(dev)
+        if tabs is None:
+            tabs = self._codebooks[dev] = {k: x.to(dev) for k, x in _kernel_tables(c).items()}
+        nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per tile
         numels = tuple(p.numel() for p, _, _ in items)
-        nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per program
-        progs = self._prog_tables.get((dev, B, numels))
-        if progs is None:
-            counts = torch.tensor([triton.cdiv(n // B, nb) for n in numels])
-            starts = torch.cumsum(counts, 0) - counts
-            prog_tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
-            progs = self._prog_tables[(dev, B, numels)] = (
-                prog_tensor.to(torch.int32).to(dev), starts.to(torch.int32).to(dev), int(counts.sum()))
-        grads = _kernel_grads([p for p, _, _ in items])
-        rows = [[p.data_ptr() for p, _, _ in items], [g.data_ptr() for g in grads]]
-        rows += [[st[k].data_ptr() for _, st, _ in items]
-                 for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")]
-        rows += [list(numels), [sd for _, _, sd in items]]
+        progs = self._prog_tables.get((dev, B, KERNEL_TILES, numels))
+        if progs is None:                              # program -> tensor index
+            counts = torch.tensor([triton.cdiv(n // B, nb * KERNEL_TILES) for n in numels])
+            progs = self._prog_tables[(dev, B, KERNEL_TILES, numels)] = (
+                torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts).to(dev),
+                (torch.cumsum(counts, 0) - counts).tolist())
+        ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), *(st[k].data_ptr() for k in (
+            "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel())
+            for p, st, i in items)
         if u is not None:
-            rows += [[x.data_ptr() for x, _ in u], [x.data_ptr() for _, x in u]]
-        tab = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+            ptrs = tuple(r + (x.data_ptr(), y.data_ptr()) for r, (x, y) in zip(ptrs, u))
+        tab = self._tabs.get(ptrs)
+        if tab is None:                                # one row of _TAB_W int64 per tensor
+            rows = [[first, r[7] // B, *r[:6], r[6] * 257 % _SEED_MOD, *(r[8:] or (0, 0))]
+                    for first, r in zip(progs[1], ptrs)]
+            if len(self._tabs) > 64:                   # parameters or states were reallocated
+                self._tabs.clear()
+            tab = self._tabs[ptrs] = torch.tensor(rows, dtype=torch.int64).to(dev)
+        # 16-byte vector loads need p, grad and codes 16-byte aligned (true for whole tensors;
+        # views into a flat buffer may not be): otherwise the launch reads element by element
+        aligned = all(x % 16 == 0 for r in ptrs for x in (r[0], r[1], r[2], r[4]))
         v_coord, v_rule = c["v_rounding"].split("-")
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
-        _adamw4bit_kernel[(progs[2],)](
-            progs[0], progs[1], tab, len(items), *cbs,
-            1 - lr * wd, lr / bc1, b1, 1 - b1, b2, 1 - b2, 1 / math.sqrt(bc2), eps,
-            M_K=cbs[0].numel(), V_K=cbs[1].numel(), M_SR=m_rule == "sr", V_SR=v_rule == "sr",
-            V_UPDATE=v_coord == "update", EDEN=bool(c["eden"]),
-            GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16, HAS_U=u is not None,
-            BS=B, NB=nb, num_warps=KERNEL_WARPS, **extra)
-
-
-def _kernel_grads(params):
-    """The gradients the kernel reads. BF16 ones are read as aligned 32-bit words (two elements
-    each; the GPU faults on a misaligned word), so a grad view starting at an odd 2-byte offset,
-    as in a flat gradient buffer, is replaced by an aligned copy."""
-    return [p.grad if p.grad.dtype != torch.bfloat16 or p.grad.data_ptr() % 4 == 0 else p.grad.clone()
-            for p in params]
+        if KERNEL_MAXNREG and extra:
+            extra["maxnreg"] = KERNEL_MAXNREG
+        _adamw4bit_kernel[(progs[0].numel(),)](
+            progs[0], tab, tabs["m_dec"], tabs["v_dec"], tabs["v_cb"], tabs[f"m_lut_{m_rule}"], tabs[f"m_nxt_{m_rule}"],
+            tabs["v_lut"], tabs["v_nxt"], tabs["m_pair"], tabs["v_pair"],
+            self._seed_of_step(t), 1 - lr * wd, lr / bc1, b1, 1 - b1, b2, 1 - b2,
+            1 / math.sqrt(bc2), eps, M_SR=m_rule == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
+            EDEN=bool(c["eden"]), GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16,
+            HAS_U=u is not None, ALIGNED=aligned, BS=B, NB=nb, TILES=KERNEL_TILES, num_warps=1, **extra)
 
 
 def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
@@ -623,142 +609,247 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 
 # --------------------------------------------------------------------------------------------
 # the fused Triton step: one pass over param, grad and both packed moments
+#
+# On the H200 this step is bound by instruction issue, not bandwidth (Nsight Compute: ~75-80 %
+# of issue slots busy, DRAM < 50 %), so the design counts instructions per element: the
+# quantizer works on y = x (1/s) against small tables (decode: one 64-bit read per byte; level
+# search: one bucket read and one compare; neighbours: one 64-bit read), tables stay small so a
+# warp's gathers touch few cache lines, and a program loops over 16 tiles to spread its setup.
+
+KERNEL_ELEMS = 128      # elements per tile (one warp; best of a sweep on H200)
+KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles share a Philox call)
+KERNEL_MAXNREG = 64     # registers per thread: 64 keeps 32 one-warp programs per SM (H200: -6 %)
+LUT_BUCKETS = 1024      # buckets of y = x / s over [-1, 1] in the kernel's level search
+_LUT_N = tl.constexpr(LUT_BUCKETS)
+_TAB_W = tl.constexpr(11)   # int64 columns per tensor in the launch table (see the kernel)
+
+
+def _pair_bits(lo, hi):
+    """float32 tensors lo, hi -> int64 holding lo's bits in the low word and hi's in the high
+    word: the kernel reads both with one 64-bit gather."""
+    return (lo.view(torch.int32).long() & 0xFFFFFFFF) | (hi.view(torch.int32).long() << 32)
+
+
+def _bucket_lut(bounds, n=LUT_BUCKETS, margin=2.0 ** -12):
+    """The kernel's replacement for torch.searchsorted(bounds, y, right=True), y in [-1, 1].
+
+    Bucket j (0 <= j <= n) holds y with (y + 1) n/2 in [j, j+1). lut[j] counts the bounds
+    <= e_j - margin (surely <= every y of the bucket, e_j = -1 + 2j/n); at most one more bound
+    lies in [e_j - margin, e_j+1 + margin), so the count of bounds <= y is
+    c + (y >= nxt[c]) with c = lut[j] and nxt[c] = bounds[c] (2.0 past the last). The margin
+    (2^-12) covers the float32 error of the bucket index (~1e-7). Both tables are small (1 KB,
+    <= 64 B) so that a warp's gathers touch few cache lines.
+    bounds: sorted float32 (k,). Returns (lut uint8 (n + 1,), nxt float32 (k + 1,)).
+    Raises ValueError if two bounds share a bucket (closer than ~2/n; the paper codebooks'
+    levels and level midpoints are >= 0.0039 apart) or a bound lies outside [-1, 1]."""
+    e = -1 + 2 * torch.arange(n + 2, dtype=torch.float64) / n
+    b = bounds.double()[None, :]
+    lut = (b <= e[:-1, None] - margin).sum(1)
+    inside = (b > e[:-1, None] - margin) & (b < e[1:, None] + margin)
+    if inside.sum(1).max() > 1 or bounds.abs().max() > 1:
+        raise ValueError(f"codebook levels are closer than the kernel's level buckets (2/{n} plus "
+                         f"margins) or outside [-1, 1]: boundaries {bounds.tolist()}")
+    return lut.to(torch.uint8), torch.cat([bounds, torch.tensor([2.0])])
+
+
+def _kernel_tables(cfg):
+    """The kernel's lookup tables (CPU tensors) for an optimizer configuration:
+    m_dec/v_dec: byte -> (T[low nibble], T[high nibble]) as _pair_bits, int64 (256,);
+    v_cb: T_v (EDEN reads T[code]);
+    m_lut_rtn/m_lut_sr/v_lut: _bucket_lut of the level midpoints (State-RTN: the code is the
+    count of midpoints <= y) or of the inner levels (the others: the lower level's index k),
+    with m_nxt_rtn/... its second table;
+    m_pair/v_pair: k -> (T[k], T[k+1]) as _pair_bits, or (sqrt T[k], sqrt T[k+1]) for the
+    update coordinate (one 64-bit gather)."""
+    T_m, T_v = (get_codebook(cfg[k]) for k in ("m_codebook", "v_codebook"))
+    mid = lambda T: (T[:-1] + T[1:]) / 2
+    codes = torch.arange(256)
+
+    def dec(T):   # codes >= K are never written; they decode to the top level
+        T = torch.cat([T, T[-1:].expand(16 - T.numel())])
+        return _pair_bits(T[codes & 15], T[codes >> 4])
+
+    Tp = sqrt_rn(T_v) if cfg["v_rounding"].startswith("update") else T_v
+    t = dict(m_dec=dec(T_m), v_dec=dec(T_v), v_cb=T_v,
+             m_pair=_pair_bits(T_m[:-1], T_m[1:]), v_pair=_pair_bits(Tp[:-1], Tp[1:]))
+    t["m_lut_rtn"], t["m_nxt_rtn"] = _bucket_lut(mid(T_m))
+    t["m_lut_sr"], t["m_nxt_sr"] = _bucket_lut(T_m[1:-1])
+    t["v_lut"], t["v_nxt"] = _bucket_lut(mid(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
+    return t
+
 
 @triton.jit
-def _quantize(x, s, cb_ptr, lut_ptr, u, rx, sq_cb_ptr, inv_sqrt_bc2, eps, K: tl.constexpr,
-              SR: tl.constexpr, UPDATE: tl.constexpr):
-    # round_to_levels with levels s * T, the same float32 operations; x (R, C), s (R,).
-    # lo = max{k <= K-2 : s T[k] <= x} (0 if none), the reference's count of levels <= x: the
-    # bucket of y ~ x/s in the level table (see _level_lut) gives lo or lo - 1, and one exact
-    # comparison decides. 3 table reads instead of a 4-step binary search (the search was 37 %
-    # of the step on the H200).
-    j = ((x * (1.0 / s)[:, None] + 1.0) * (_LUT_N // 2)).to(tl.int32)
-    c = tl.load(lut_ptr + tl.minimum(tl.maximum(j, 0), _LUT_N - 1))
-    lo = c + ((c < K - 2) & (s[:, None] * tl.load(cb_ptr + c + 1) <= x)).to(tl.int32)
-    a = s[:, None] * tl.load(cb_ptr + lo)
-    b = s[:, None] * tl.load(cb_ptr + lo + 1)
-    if UPDATE:
-        sq_s = tl.sqrt_rn(s)[:, None]
-        ra = sq_s * tl.load(sq_cb_ptr + lo) * inv_sqrt_bc2 + eps
-        rb = sq_s * tl.load(sq_cb_ptr + lo + 1) * inv_sqrt_bc2 + eps
+def _unpair(e):
+    # inverse of _pair_bits: int64 -> (low float32, high float32)
+    return e.to(tl.int32).to(tl.float32, bitcast=True), (e >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize(y, lut, nxt, pair, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
+    # round_to_levels(y, T, ...) with the same float32 operations. _bucket_lut gives the count of
+    # boundaries <= y: the code itself for State-RTN, else the lower level's index k.
+    c = tl.load(lut + tl.fma(y, 0.5 * _LUT_N, 0.5 * _LUT_N).to(tl.int32)).to(tl.int32)
+    k = c + (y >= tl.load(nxt + c)).to(tl.int32)
+    if not SR and not UPDATE:
+        return k
+    a, b = _unpair(tl.load(pair + k))
+    if UPDATE:                       # a, b are sqrt(T[k]), sqrt(T[k+1])
+        ra = r_scale * a + eps
+        rb = r_scale * b + eps
         num = (rb - rx) * ra
         den = (rb - ra) * rx
     else:
-        num = b - x
+        num = b - y
         den = b - a
     if SR:
         take_a = u * den < num
     else:
         take_a = 2 * num > den
-    return tl.where(take_a, lo, lo + 1)
+    return tl.where(take_a, k, k + 1)
 
 
 @triton.jit
-def _eden_scale(x0, x1, c0, c1, s, cb_ptr):
-    # EDEN: s * float32(sum y² / max(sum y q, 1e-12)), y = x / s, sums in float64
-    y0 = tl.div_rn(x0, s[:, None])
-    y1 = tl.div_rn(x1, s[:, None])
-    q0 = tl.load(cb_ptr + c0)
-    q1 = tl.load(cb_ptr + c1)
-    yy = tl.sum((y0 * y0).to(tl.float64), axis=1) + tl.sum((y1 * y1).to(tl.float64), axis=1)
-    yq = tl.sum((y0 * q0).to(tl.float64), axis=1) + tl.sum((y1 * q1).to(tl.float64), axis=1)
-    return (yy / tl.maximum(yq, 1e-12)).to(tl.float32) * s
+def _decode(dec, byte, NB: tl.constexpr, BS: tl.constexpr):
+    # packed bytes (NB, BS/2) -> levels T[code] (NB, BS): one 64-bit read per byte
+    even, odd = _unpair(tl.load(dec + byte.to(tl.int32)))
+    return tl.reshape(tl.join(even, odd), (NB, BS))
 
 
 @triton.jit
-def _uniform(r):
-    # 24 random bits -> float32 in [0, 1), exact
-    return (r >> 8).to(tl.float32) * 5.9604644775390625e-08
+def _absmax(x):
+    return tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _adamw4bit_kernel(prog_tensor, prog_start, tab, n_tensors, m_cb, v_cb, v_sq_cb, m_lut, v_lut,
-                      decay, step_size, b1, one_minus_b1, b2, one_minus_b2,
-                      inv_sqrt_bc2, eps, M_K: tl.constexpr, V_K: tl.constexpr,
+def _pack(code, NB: tl.constexpr, BS: tl.constexpr):
+    # codes (NB, BS) -> bytes (NB, BS/2), element 2i in the low nibble (pack_nibbles)
+    even, odd = tl.split(tl.reshape(code, (NB, BS // 2, 2)))
+    return (even | (odd << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _uniforms(seed, first, stream, NB: tl.constexpr, BS: tl.constexpr):
+    # SR uniforms for two consecutive tiles: Philox4x32 with 7 rounds (Random123's
+    # crush-resistant minimum; default 10), counter = (quad index of the first tile, stream).
+    # One call gives 4 words = 8 uniforms of 16 bits (SR probabilities in steps of 2^-16).
+    quad = first * (BS // 4) + tl.arange(0, NB)[:, None] * (BS // 4) + tl.arange(0, BS // 4)[None, :]
+    lo = quad.to(tl.uint32)
+    q0, q1, q2, q3 = tl.philox(seed, lo, (quad >> 32).to(tl.uint32), lo * 0 + stream, lo * 0, n_rounds=7)
+    a = tl.join(tl.join(q0 & 0xFFFF, q0 >> 16), tl.join(q1 & 0xFFFF, q1 >> 16))
+    b = tl.join(tl.join(q2 & 0xFFFF, q2 >> 16), tl.join(q3 & 0xFFFF, q3 >> 16))
+    return (tl.reshape(a, (NB, BS)).to(tl.float32) * 1.52587890625e-05,
+            tl.reshape(b, (NB, BS)).to(tl.float32) * 1.52587890625e-05)
+
+
+@triton.jit(do_not_specialize=["seed_t"])
+def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
+                      seed_t, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
                       M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
                       EDEN: tl.constexpr, GRAD_BF16: tl.constexpr, HAS_U: tl.constexpr,
-                      BS: tl.constexpr, NB: tl.constexpr):
-    # tab rows (int64, n_tensors each): param, grad, m codes, m scales, v codes, v scales
-    # pointers; numel; SR seed; [u_m, u_v pointers if HAS_U]. A program does NB blocks of BS.
-    # Even and odd elements are held as two (NB, BS/2) halves: they are the low and high
-    # nibbles of one byte, so packing needs no data exchange between threads.
+                      ALIGNED: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
+                      TILES: tl.constexpr):
+    # tab: one int64 row per tensor: first program, number of blocks, pointers of param, grad,
+    # m codes, m scales, v codes, v scales, SR seed, [u_m, u_v if HAS_U]. A program does TILES
+    # tiles of NB consecutive blocks of BS elements, one (NB, BS) tile at a time.
     pid = tl.program_id(0)
-    ti = tl.load(prog_tensor + pid)
-    first = (pid - tl.load(prog_start + ti)).to(tl.int64) * NB
-    numel = tl.load(tab + 6 * n_tensors + ti)
-    # int64 only in the per-program base pointers (tensors may exceed 2^31 elements); int32
-    # offsets within the program's NB * BS elements.
-    rows = tl.arange(0, NB)
-    rmask = rows < numel // BS - first
-    pairs = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]  # byte index
-    mask = rmask[:, None]
-    e0 = 2 * pairs                                                    # even element index
-    p_ptr = tl.load(tab + ti).to(tl.pointer_type(tl.float32)) + first * BS
-    mq = tl.load(tab + 2 * n_tensors + ti).to(tl.pointer_type(tl.uint8)) + first * (BS // 2)
-    ms = tl.load(tab + 3 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + first
-    vq = tl.load(tab + 4 * n_tensors + ti).to(tl.pointer_type(tl.uint8)) + first * (BS // 2)
-    vs = tl.load(tab + 5 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + first
+    row = tab + tl.load(prog_tensor + pid) * _TAB_W
+    nblk = tl.load(row + 1)
+    first = (pid - tl.load(row)) * (NB * TILES)             # first block of this program
+    p_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16 if GRAD_BF16 else tl.float32))
+    mq = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    ms = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    vq = tl.load(row + 6).to(tl.pointer_type(tl.uint8))
+    vs = tl.load(row + 7).to(tl.pointer_type(tl.float32))
+    seed = (seed_t + tl.load(row + 8)) % 2147483647          # AdamW4bit._step_seed
+    u_m = tl.load(row + 9).to(tl.pointer_type(tl.float32))
+    u_v = tl.load(row + 10).to(tl.pointer_type(tl.float32))
+    elem = tl.arange(0, NB)[:, None] * BS + tl.arange(0, BS)[None, :]
+    if ALIGNED:      # the host checked: 16-byte aligned tensors -> 128-bit loads and stores
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        mq = tl.multiple_of(mq, 16)
+        vq = tl.multiple_of(vq, 16)
+    last = tl.minimum(first + NB * TILES, nblk)
+    for f in tl.range(first, last, 2 * NB, num_stages=1):    # two tiles per Philox call
+        um0 = 0.0
+        um1 = 0.0
+        uv0 = 0.0
+        uv1 = 0.0
+        if HAS_U:    # tests: the caller's uniforms
+            um0 = tl.load(u_m + f * BS + elem)
+            uv0 = tl.load(u_v + f * BS + elem)
+            b_ok = elem * 0 + f + NB < last
+            um1 = tl.load(u_m + (f + NB) * BS + elem, mask=b_ok, other=0.0)
+            uv1 = tl.load(u_v + (f + NB) * BS + elem, mask=b_ok, other=0.0)
+        else:
+            if V_SR:
+                uv0, uv1 = _uniforms(seed, f, 0, NB, BS)
+            if M_SR:
+                um0, um1 = _uniforms(seed, f, 1, NB, BS)
+        _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, f, nblk, um0, uv0,
+                   m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
+                   decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
+                   M_SR, V_SR, V_UPDATE, EDEN, BS, NB)
+        if f + NB < last:
+            _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, nblk, um1, uv1,
+                       m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
+                       decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
+                       M_SR, V_SR, V_UPDATE, EDEN, BS, NB)
 
-    # decode (dequantize_blockwise) and the working moments, m~ = b1 Q(m) + (1-b1) g, ...
-    mbyte = tl.load(mq + pairs, mask=mask, other=0).to(tl.int32)
-    vbyte = tl.load(vq + pairs, mask=mask, other=0).to(tl.int32)
-    msc = tl.load(ms + rows, mask=rmask, other=0.0)[:, None]
-    vsc = tl.load(vs + rows, mask=rmask, other=0.0)[:, None]
-    if GRAD_BF16:
-        # a byte's two BF16 gradients are one aligned 32-bit word (little-endian: the even
-        # element in the low half): one load per byte, and BF16 -> FP32 is a 16-bit shift (exact)
-        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.int32)) + first * (BS // 2)
-        gw = tl.load(g_ptr + pairs, mask=mask, other=0)
-        g0 = (gw << 16).to(tl.float32, bitcast=True)
-        g1 = (gw & -65536).to(tl.float32, bitcast=True)
+
+@triton.jit
+def _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, um, uv,
+               m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
+               decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
+               M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
+               EDEN: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
+    # blocks first .. first+NB-1 of one tensor: int64 block index, int32 offsets in the tile
+    p_ptr += first * BS
+    g_ptr += first * BS
+    mq += first * (BS // 2)
+    vq += first * (BS // 2)
+    ms += first
+    vs += first
+    rows = tl.arange(0, NB)
+    elem = rows[:, None] * BS + tl.arange(0, BS)[None, :]
+    byte = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
+    if NB > 1:       # the last tile of a tensor may run past its end
+        rmask = rows < nblk - first
     else:
-        g_ptr = tl.load(tab + n_tensors + ti).to(tl.pointer_type(tl.float32)) + first * BS
-        g0 = tl.load(g_ptr + e0, mask=mask, other=0.0)
-        g1 = tl.load(g_ptr + e0 + 1, mask=mask, other=0.0)
-    m0 = msc * tl.load(m_cb + (mbyte & 15)) * b1 + g0 * one_minus_b1
-    m1 = msc * tl.load(m_cb + (mbyte >> 4)) * b1 + g1 * one_minus_b1
-    v0 = vsc * tl.load(v_cb + (vbyte & 15)) * b2 + g0 * g0 * one_minus_b2
-    v1 = vsc * tl.load(v_cb + (vbyte >> 4)) * b2 + g1 * g1 * one_minus_b2
+        rmask = rows < 1
+    mask = rmask[:, None]
+
+    # decode and the working moments: m~ = T[code] (b1 s) + (1-b1) g, v~ likewise with g²
+    mb = tl.load(mq + byte, mask=mask, other=0)
+    vb = tl.load(vq + byte, mask=mask, other=0)
+    msc = tl.load(ms + rows, mask=rmask, other=0.0) * b1
+    vsc = tl.load(vs + rows, mask=rmask, other=0.0) * b2
+    g = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
+    m = _decode(m_dec, mb, NB, BS) * msc[:, None] + g * one_minus_b1
+    v = _decode(v_dec, vb, NB, BS) * vsc[:, None] + g * g * one_minus_b2
 
     # AdamW update with the working moments (update-before-storage)
-    w0 = tl.load(p_ptr + e0, mask=mask, other=0.0)
-    w1 = tl.load(p_ptr + e0 + 1, mask=mask, other=0.0)
-    r0 = tl.sqrt_rn(v0) * inv_sqrt_bc2 + eps                          # r_t(v~), reused below
-    r1 = tl.sqrt_rn(v1) * inv_sqrt_bc2 + eps
-    w0 = w0 * decay - tl.div_rn(step_size * m0, r0)
-    w1 = w1 * decay - tl.div_rn(step_size * m1, r1)
-    tl.store(p_ptr + e0, w0, mask=mask)
-    tl.store(p_ptr + e0 + 1, w1, mask=mask)
+    w = tl.load(p_ptr + elem, mask=mask, other=0.0)
+    r = tl.sqrt_rn(v) * inv_sqrt_bc2 + eps                    # r_t(v~), reused by Update-SR
+    tl.store(p_ptr + elem, w * decay - tl.div_rn(step_size * m, r), mask=mask)
 
-    # SR uniforms: one Philox call per byte gives 4 words (m even/odd, v even/odd)
-    um0 = 0.0
-    um1 = 0.0
-    uv0 = 0.0
-    uv1 = 0.0
-    if M_SR or V_SR:
-        if HAS_U:
-            u_m = tl.load(tab + 8 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + first * BS
-            u_v = tl.load(tab + 9 * n_tensors + ti).to(tl.pointer_type(tl.float32)) + first * BS
-            um0 = tl.load(u_m + e0, mask=mask, other=0.0)
-            um1 = tl.load(u_m + e0 + 1, mask=mask, other=0.0)
-            uv0 = tl.load(u_v + e0, mask=mask, other=0.0)
-            uv1 = tl.load(u_v + e0 + 1, mask=mask, other=0.0)
-        else:
-            seed = tl.load(tab + 7 * n_tensors + ti).to(tl.int32)
-            # Philox4x32 with 7 rounds (Random123's crush-resistant minimum; default is 10)
-            q0, q1, q2, q3 = tl.randint4x(seed, pairs + first * (BS // 2), n_rounds=7)
-            um0, um1, uv0, uv1 = _uniform(q0), _uniform(q1), _uniform(q2), _uniform(q3)
-
-    # quantize both moments (blocks of BS = the two halves of each row) and pack
-    s = tl.maximum(tl.maximum(tl.max(tl.abs(m0), axis=1), tl.max(tl.abs(m1), axis=1)), 1e-12)
-    c0 = _quantize(m0, s, m_cb, m_lut, um0, r0, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
-    c1 = _quantize(m1, s, m_cb, m_lut, um1, r1, v_sq_cb, inv_sqrt_bc2, eps, M_K, M_SR, False)
-    tl.store(mq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
+    # quantize both moments (paper B, Def. 3): s = max(absmax, 1e-12), y = x (1/s). The absmax
+    # is an integer max of |x|'s bit patterns (same order for floats >= 0): one warp-wide
+    # REDUX instruction instead of five shuffle rounds.
+    s = tl.maximum(_absmax(m), 1e-12)
+    y = m * tl.div_rn(1.0, s)[:, None]
+    code = _quantize(y, m_lut, m_nxt, m_pair, um, r, 0.0, eps, M_SR, False)
+    tl.store(mq + byte, _pack(code, NB, BS), mask=mask)
     tl.store(ms + rows, s, mask=rmask)
-    s = tl.maximum(tl.maximum(tl.max(tl.abs(v0), axis=1), tl.max(tl.abs(v1), axis=1)), 1e-12)
-    c0 = _quantize(v0, s, v_cb, v_lut, uv0, r0, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
-    c1 = _quantize(v1, s, v_cb, v_lut, uv1, r1, v_sq_cb, inv_sqrt_bc2, eps, V_K, V_SR, V_UPDATE)
-    if EDEN:
-        s = _eden_scale(v0, v1, c0, c1, s, v_cb)
-    tl.store(vq + pairs, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
+    s = tl.maximum(_absmax(v), 1e-12)
+    y = v * tl.div_rn(1.0, s)[:, None]
+    r_scale = (tl.sqrt_rn(s) * inv_sqrt_bc2)[:, None]
+    code = _quantize(y, v_lut, v_nxt, v_pair, uv, r, r_scale, eps, V_SR, V_UPDATE)
+    if EDEN:         # c = sum y² / max(sum y T[code], 1e-12), float64 sums
+        q = tl.load(v_cb + code)
+        yy = tl.sum((y * y).to(tl.float64), axis=1)
+        yq = tl.sum((y * q).to(tl.float64), axis=1)
+        s = (yy / tl.maximum(yq, 1e-12)).to(tl.float32) * s
+    tl.store(vq + byte, _pack(code, NB, BS), mask=mask)
     tl.store(vs + rows, s, mask=rmask)
