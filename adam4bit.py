@@ -709,48 +709,41 @@ def _quantize(y, lut, nxt, pair, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: 
 
 
 @triton.jit
-def _decode(dec, byte, NB: tl.constexpr, BS: tl.constexpr):
-    # packed bytes (NB, BS/2) -> levels T[code] (NB, BS): one 64-bit read per byte
-    even, odd = _unpair(tl.load(dec + byte.to(tl.int32)))
-    return tl.reshape(tl.join(even, odd), (NB, BS))
+def _absmax(x0, x1):
+    # max |x| per row over both halves, as an integer max of the bit patterns (same order for
+    # floats >= 0): one warp-wide REDUX instruction instead of five shuffle rounds
+    m = tl.maximum(tl.abs(x0).to(tl.int32, bitcast=True), tl.abs(x1).to(tl.int32, bitcast=True))
+    return tl.max(m, axis=1).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _absmax(x):
-    return tl.max(tl.abs(x).to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pack(code, NB: tl.constexpr, BS: tl.constexpr):
-    # codes (NB, BS) -> bytes (NB, BS/2), element 2i in the low nibble (pack_nibbles)
-    even, odd = tl.split(tl.reshape(code, (NB, BS // 2, 2)))
-    return (even | (odd << 4)).to(tl.uint8)
-
-
-@triton.jit
-def _uniforms(seed, first, stream, NB: tl.constexpr, BS: tl.constexpr):
+def _uniforms(seed, pair, stream):
     # SR uniforms for two consecutive tiles: Philox4x32 with 7 rounds (Random123's
-    # crush-resistant minimum; default 10), counter = (quad index of the first tile, stream).
-    # One call gives 4 words = 8 uniforms of 16 bits (SR probabilities in steps of 2^-16).
-    quad = first * (BS // 4) + tl.arange(0, NB)[:, None] * (BS // 4) + tl.arange(0, BS // 4)[None, :]
-    lo = quad.to(tl.uint32)
-    q0, q1, q2, q3 = tl.philox(seed, lo, (quad >> 32).to(tl.uint32), lo * 0 + stream, lo * 0, n_rounds=7)
-    a = tl.join(tl.join(q0 & 0xFFFF, q0 >> 16), tl.join(q1 & 0xFFFF, q1 >> 16))
-    b = tl.join(tl.join(q2 & 0xFFFF, q2 >> 16), tl.join(q3 & 0xFFFF, q3 >> 16))
-    return (tl.reshape(a, (NB, BS)).to(tl.float32) * 1.52587890625e-05,
-            tl.reshape(b, (NB, BS)).to(tl.float32) * 1.52587890625e-05)
+    # crush-resistant minimum; default 10), counter = (byte index in the first tile, stream):
+    # one call gives 4 words, the even and odd element of this byte in both tiles; 24 bits each.
+    lo = pair.to(tl.uint32)
+    q0, q1, q2, q3 = tl.philox(seed, lo, (pair >> 32).to(tl.uint32), lo * 0 + stream, lo * 0, n_rounds=7)
+    c = 5.9604644775390625e-08   # 2^-24
+    return ((q0 >> 8).to(tl.float32) * c, (q1 >> 8).to(tl.float32) * c,
+            (q2 >> 8).to(tl.float32) * c, (q3 >> 8).to(tl.float32) * c)
+
+
+@triton.jit
+def _join_bits(lo, hi):
+    # _pair_bits in the kernel: two float32 -> one int64 (one 64-bit store)
+    return lo.to(tl.uint32, bitcast=True).to(tl.int64) | (hi.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
 
 
 @triton.jit(do_not_specialize=["seed_t"])
-def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
-                      seed_t, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
-                      M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
-                      EDEN: tl.constexpr, GRAD_BF16: tl.constexpr, HAS_U: tl.constexpr,
-                      ALIGNED: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
-                      TILES: tl.constexpr):
+def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair,
+                      v_pair, seed_t, decay, step_size, b1, one_minus_b1, b2, one_minus_b2,
+                      inv_sqrt_bc2, eps, M_SR: tl.constexpr, V_SR: tl.constexpr,
+                      V_UPDATE: tl.constexpr, EDEN: tl.constexpr, GRAD_BF16: tl.constexpr,
+                      HAS_U: tl.constexpr, ALIGNED: tl.constexpr, BS: tl.constexpr,
+                      NB: tl.constexpr, TILES: tl.constexpr):
     # tab: one int64 row per tensor: first program, number of blocks, pointers of param, grad,
-    # m codes, m scales, v codes, v scales, SR seed, [u_m, u_v if HAS_U]. A program does TILES
-    # tiles of NB consecutive blocks of BS elements, one (NB, BS) tile at a time.
+    # m codes, m scales, v codes, v scales, SR seed term, [u_m, u_v if HAS_U]. A program does
+    # TILES tiles of NB consecutive blocks of BS elements, two tiles per loop iteration.
     pid = tl.program_id(0)
     row = tab + tl.load(prog_tensor + pid) * _TAB_W
     nblk = tl.load(row + 1)
@@ -764,92 +757,122 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut,
     seed = (seed_t + tl.load(row + 8)) % 2147483647          # AdamW4bit._step_seed
     u_m = tl.load(row + 9).to(tl.pointer_type(tl.float32))
     u_v = tl.load(row + 10).to(tl.pointer_type(tl.float32))
-    elem = tl.arange(0, NB)[:, None] * BS + tl.arange(0, BS)[None, :]
-    if ALIGNED:      # the host checked: 16-byte aligned tensors -> 128-bit loads and stores
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        mq = tl.multiple_of(mq, 16)
-        vq = tl.multiple_of(vq, 16)
+    # A tile is held as two (NB, BS/2) halves, the even and the odd elements: they are the low
+    # and high nibbles of one byte, so decode and packing need no data exchange between threads.
+    pair = tl.arange(0, NB)[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
     last = tl.minimum(first + NB * TILES, nblk)
-    for f in tl.range(first, last, 2 * NB, num_stages=1):    # two tiles per Philox call
+    for f in tl.range(first, last, 2 * NB, num_stages=1):
         um0 = 0.0
         um1 = 0.0
         uv0 = 0.0
         uv1 = 0.0
+        um2 = 0.0
+        um3 = 0.0
+        uv2 = 0.0
+        uv3 = 0.0
         if HAS_U:    # tests: the caller's uniforms
-            um0 = tl.load(u_m + f * BS + elem)
-            uv0 = tl.load(u_v + f * BS + elem)
-            b_ok = elem * 0 + f + NB < last
-            um1 = tl.load(u_m + (f + NB) * BS + elem, mask=b_ok, other=0.0)
-            uv1 = tl.load(u_v + (f + NB) * BS + elem, mask=b_ok, other=0.0)
-        else:
+            um0 = tl.load(u_m + f * BS + 2 * pair)
+            um1 = tl.load(u_m + f * BS + 2 * pair + 1)
+            uv0 = tl.load(u_v + f * BS + 2 * pair)
+            uv1 = tl.load(u_v + f * BS + 2 * pair + 1)
+            ok = pair * 0 + f + NB < last
+            um2 = tl.load(u_m + (f + NB) * BS + 2 * pair, mask=ok, other=0.0)
+            um3 = tl.load(u_m + (f + NB) * BS + 2 * pair + 1, mask=ok, other=0.0)
+            uv2 = tl.load(u_v + (f + NB) * BS + 2 * pair, mask=ok, other=0.0)
+            uv3 = tl.load(u_v + (f + NB) * BS + 2 * pair + 1, mask=ok, other=0.0)
+        else:        # one Philox call per byte serves both tiles
             if V_SR:
-                uv0, uv1 = _uniforms(seed, f, 0, NB, BS)
+                uv0, uv1, uv2, uv3 = _uniforms(seed, f * (BS // 2) + pair, 0)
             if M_SR:
-                um0, um1 = _uniforms(seed, f, 1, NB, BS)
-        _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, f, nblk, um0, uv0,
+                um0, um1, um2, um3 = _uniforms(seed, f * (BS // 2) + pair, 1)
+        _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, f, nblk, um0, um1, uv0, uv1,
                    m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
                    decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
-                   M_SR, V_SR, V_UPDATE, EDEN, BS, NB)
+                   M_SR, V_SR, V_UPDATE, EDEN, GRAD_BF16, ALIGNED, BS, NB)
         if f + NB < last:
-            _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, nblk, um1, uv1,
+            _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, nblk, um2, um3, uv2, uv3,
                        m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
                        decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
-                       M_SR, V_SR, V_UPDATE, EDEN, BS, NB)
+                       M_SR, V_SR, V_UPDATE, EDEN, GRAD_BF16, ALIGNED, BS, NB)
 
 
 @triton.jit
-def _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, um, uv,
+def _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, um0, um1, uv0, uv1,
                m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
                decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
                M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
-               EDEN: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
+               EDEN: tl.constexpr, GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+               BS: tl.constexpr, NB: tl.constexpr):
     # blocks first .. first+NB-1 of one tensor: int64 block index, int32 offsets in the tile
-    p_ptr += first * BS
-    g_ptr += first * BS
+    rows = tl.arange(0, NB)
+    pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]   # byte index
+    rmask = rows < nblk - first          # the last tile of a tensor may run past its end
+    mask = rmask[:, None]
     mq += first * (BS // 2)
     vq += first * (BS // 2)
     ms += first
     vs += first
-    rows = tl.arange(0, NB)
-    elem = rows[:, None] * BS + tl.arange(0, BS)[None, :]
-    byte = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
-    if NB > 1:       # the last tile of a tensor may run past its end
-        rmask = rows < nblk - first
-    else:
-        rmask = rows < 1
-    mask = rmask[:, None]
 
     # decode and the working moments: m~ = T[code] (b1 s) + (1-b1) g, v~ likewise with g²
-    mb = tl.load(mq + byte, mask=mask, other=0)
-    vb = tl.load(vq + byte, mask=mask, other=0)
-    msc = tl.load(ms + rows, mask=rmask, other=0.0) * b1
-    vsc = tl.load(vs + rows, mask=rmask, other=0.0) * b2
-    g = tl.load(g_ptr + elem, mask=mask, other=0.0).to(tl.float32)
-    m = _decode(m_dec, mb, NB, BS) * msc[:, None] + g * one_minus_b1
-    v = _decode(v_dec, vb, NB, BS) * vsc[:, None] + g * g * one_minus_b2
+    mb = tl.load(mq + pair, mask=mask, other=0).to(tl.int32)
+    vb = tl.load(vq + pair, mask=mask, other=0).to(tl.int32)
+    msc = (tl.load(ms + rows, mask=rmask, other=0.0) * b1)[:, None]
+    vsc = (tl.load(vs + rows, mask=rmask, other=0.0) * b2)[:, None]
+    if ALIGNED:      # an element pair is one aligned 64-bit (FP32) or 32-bit (BF16) word
+        p64 = p_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BS // 2)
+        w0, w1 = _unpair(tl.load(p64 + pair, mask=mask, other=0))
+        if GRAD_BF16:    # little-endian: the even element in the low half; BF16 -> FP32 exact
+            gw = tl.load(g_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + first * (BS // 2) + pair,
+                         mask=mask, other=0)
+            g0 = (gw << 16).to(tl.float32, bitcast=True)
+            g1 = (gw & -65536).to(tl.float32, bitcast=True)
+        else:
+            g0, g1 = _unpair(tl.load(g_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+                                     + first * (BS // 2) + pair, mask=mask, other=0))
+    else:
+        p_ptr += first * BS
+        g_ptr += first * BS
+        w0 = tl.load(p_ptr + 2 * pair, mask=mask, other=0.0)
+        w1 = tl.load(p_ptr + 2 * pair + 1, mask=mask, other=0.0)
+        g0 = tl.load(g_ptr + 2 * pair, mask=mask, other=0.0).to(tl.float32)
+        g1 = tl.load(g_ptr + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
+    t0, t1 = _unpair(tl.load(m_dec + mb))                     # T[code] of both nibbles
+    m0 = t0 * msc + g0 * one_minus_b1
+    m1 = t1 * msc + g1 * one_minus_b1
+    t0, t1 = _unpair(tl.load(v_dec + vb))
+    v0 = t0 * vsc + g0 * g0 * one_minus_b2
+    v1 = t1 * vsc + g1 * g1 * one_minus_b2
 
     # AdamW update with the working moments (update-before-storage)
-    w = tl.load(p_ptr + elem, mask=mask, other=0.0)
-    r = tl.sqrt_rn(v) * inv_sqrt_bc2 + eps                    # r_t(v~), reused by Update-SR
-    tl.store(p_ptr + elem, w * decay - tl.div_rn(step_size * m, r), mask=mask)
+    r0 = tl.sqrt_rn(v0) * inv_sqrt_bc2 + eps                  # r_t(v~), reused by Update-SR
+    r1 = tl.sqrt_rn(v1) * inv_sqrt_bc2 + eps
+    w0 = w0 * decay - tl.div_rn(step_size * m0, r0)
+    w1 = w1 * decay - tl.div_rn(step_size * m1, r1)
+    if ALIGNED:
+        tl.store(p64 + pair, _join_bits(w0, w1), mask=mask)
+    else:
+        tl.store(p_ptr + 2 * pair, w0, mask=mask)
+        tl.store(p_ptr + 2 * pair + 1, w1, mask=mask)
 
-    # quantize both moments (paper B, Def. 3): s = max(absmax, 1e-12), y = x (1/s). The absmax
-    # is an integer max of |x|'s bit patterns (same order for floats >= 0): one warp-wide
-    # REDUX instruction instead of five shuffle rounds.
-    s = tl.maximum(_absmax(m), 1e-12)
-    y = m * tl.div_rn(1.0, s)[:, None]
-    code = _quantize(y, m_lut, m_nxt, m_pair, um, r, 0.0, eps, M_SR, False)
-    tl.store(mq + byte, _pack(code, NB, BS), mask=mask)
+    # quantize both moments (paper B, Def. 3): s = max(absmax, 1e-12), y = x (1/s)
+    s = tl.maximum(_absmax(m0, m1), 1e-12)
+    inv = tl.div_rn(1.0, s)[:, None]
+    c0 = _quantize(m0 * inv, m_lut, m_nxt, m_pair, um0, r0, 0.0, eps, M_SR, False)
+    c1 = _quantize(m1 * inv, m_lut, m_nxt, m_pair, um1, r1, 0.0, eps, M_SR, False)
+    tl.store(mq + pair, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
     tl.store(ms + rows, s, mask=rmask)
-    s = tl.maximum(_absmax(v), 1e-12)
-    y = v * tl.div_rn(1.0, s)[:, None]
+    s = tl.maximum(_absmax(v0, v1), 1e-12)
+    inv = tl.div_rn(1.0, s)[:, None]
+    y0 = v0 * inv
+    y1 = v1 * inv
     r_scale = (tl.sqrt_rn(s) * inv_sqrt_bc2)[:, None]
-    code = _quantize(y, v_lut, v_nxt, v_pair, uv, r, r_scale, eps, V_SR, V_UPDATE)
+    c0 = _quantize(y0, v_lut, v_nxt, v_pair, uv0, r0, r_scale, eps, V_SR, V_UPDATE)
+    c1 = _quantize(y1, v_lut, v_nxt, v_pair, uv1, r1, r_scale, eps, V_SR, V_UPDATE)
     if EDEN:         # c = sum y² / max(sum y T[code], 1e-12), float64 sums
-        q = tl.load(v_cb + code)
-        yy = tl.sum((y * y).to(tl.float64), axis=1)
-        yq = tl.sum((y * q).to(tl.float64), axis=1)
+        q0 = tl.load(v_cb + c0)
+        q1 = tl.load(v_cb + c1)
+        yy = tl.sum((y0 * y0).to(tl.float64), axis=1) + tl.sum((y1 * y1).to(tl.float64), axis=1)
+        yq = tl.sum((y0 * q0).to(tl.float64), axis=1) + tl.sum((y1 * q1).to(tl.float64), axis=1)
         s = (yy / tl.maximum(yq, 1e-12)).to(tl.float32) * s
-    tl.store(vq + byte, _pack(code, NB, BS), mask=mask)
+    tl.store(vq + pair, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
     tl.store(vs + rows, s, mask=rmask)
