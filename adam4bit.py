@@ -717,15 +717,43 @@ def _absmax(x0, x1):
 
 
 @triton.jit
+def _philox(seed, c0, c1, c2, c3, n_rounds: tl.constexpr):
+    # tl.philox (Philox4x32, uint32 counters, seed < 2^32) with each 32x32-bit product taken
+    # as one 64-bit multiply (one IMAD.WIDE instead of separate high and low halves)
+    k0 = seed.to(tl.uint32)
+    k1 = k0 * 0
+    for _ in tl.static_range(n_rounds):
+        pb = c2.to(tl.uint64) * 0xCD9E8D57
+        pa = c0.to(tl.uint64) * 0xD2511F53
+        c0 = (pb >> 32).to(tl.uint32) ^ c1 ^ k0
+        c2 = (pa >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1 = pb.to(tl.uint32)
+        c3 = pa.to(tl.uint32)
+        k0 += 0x9E3779B9
+        k1 += 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _uniforms(seed, pair, stream):
     # SR uniforms for two consecutive tiles: Philox4x32 with 7 rounds (Random123's
     # crush-resistant minimum; default 10), counter = (byte index in the first tile, stream):
     # one call gives 4 words, the even and odd element of this byte in both tiles; 24 bits each.
     lo = pair.to(tl.uint32)
-    q0, q1, q2, q3 = tl.philox(seed, lo, (pair >> 32).to(tl.uint32), lo * 0 + stream, lo * 0, n_rounds=7)
+    q0, q1, q2, q3 = _philox(seed, lo, (pair >> 32).to(tl.uint32), lo * 0 + stream, lo * 0, 7)
     c = 5.9604644775390625e-08   # 2^-24
     return ((q0 >> 8).to(tl.float32) * c, (q1 >> 8).to(tl.float32) * c,
             (q2 >> 8).to(tl.float32) * c, (q3 >> 8).to(tl.float32) * c)
+
+
+@triton.jit
+def _ld(ptr, mask):
+    # tl.load, masked (zeros outside) only when a mask is given
+    if mask is None:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=mask, other=0)
+    return x
 
 
 @triton.jit
@@ -806,36 +834,39 @@ def _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, um0, um1, uv0, uv1,
     # blocks first .. first+NB-1 of one tensor: int64 block index, int32 offsets in the tile
     rows = tl.arange(0, NB)
     pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]   # byte index
-    rmask = rows < nblk - first          # the last tile of a tensor may run past its end
-    mask = rmask[:, None]
+    if NB > 1:       # the last tile of a tensor may run past its end
+        rmask = rows < nblk - first
+        mask = rmask[:, None]
+    else:            # a tile is one whole block: no masks (they cost instructions)
+        rmask = None
+        mask = None
     mq += first * (BS // 2)
     vq += first * (BS // 2)
     ms += first
     vs += first
 
     # decode and the working moments: m~ = T[code] (b1 s) + (1-b1) g, v~ likewise with g²
-    mb = tl.load(mq + pair, mask=mask, other=0).to(tl.int32)
-    vb = tl.load(vq + pair, mask=mask, other=0).to(tl.int32)
-    msc = (tl.load(ms + rows, mask=rmask, other=0.0) * b1)[:, None]
-    vsc = (tl.load(vs + rows, mask=rmask, other=0.0) * b2)[:, None]
+    mb = _ld(mq + pair, mask).to(tl.int32)
+    vb = _ld(vq + pair, mask).to(tl.int32)
+    msc = (_ld(ms + rows, rmask) * b1)[:, None]
+    vsc = (_ld(vs + rows, rmask) * b2)[:, None]
     if ALIGNED:      # an element pair is one aligned 64-bit (FP32) or 32-bit (BF16) word
         p64 = p_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BS // 2)
-        w0, w1 = _unpair(tl.load(p64 + pair, mask=mask, other=0))
+        w0, w1 = _unpair(_ld(p64 + pair, mask))
         if GRAD_BF16:    # little-endian: the even element in the low half; BF16 -> FP32 exact
-            gw = tl.load(g_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + first * (BS // 2) + pair,
-                         mask=mask, other=0)
+            gw = _ld(g_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + first * (BS // 2) + pair, mask)
             g0 = (gw << 16).to(tl.float32, bitcast=True)
             g1 = (gw & -65536).to(tl.float32, bitcast=True)
         else:
-            g0, g1 = _unpair(tl.load(g_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-                                     + first * (BS // 2) + pair, mask=mask, other=0))
+            g0, g1 = _unpair(_ld(g_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
+                                 + first * (BS // 2) + pair, mask))
     else:
         p_ptr += first * BS
         g_ptr += first * BS
-        w0 = tl.load(p_ptr + 2 * pair, mask=mask, other=0.0)
-        w1 = tl.load(p_ptr + 2 * pair + 1, mask=mask, other=0.0)
-        g0 = tl.load(g_ptr + 2 * pair, mask=mask, other=0.0).to(tl.float32)
-        g1 = tl.load(g_ptr + 2 * pair + 1, mask=mask, other=0.0).to(tl.float32)
+        w0 = _ld(p_ptr + 2 * pair, mask)
+        w1 = _ld(p_ptr + 2 * pair + 1, mask)
+        g0 = _ld(g_ptr + 2 * pair, mask).to(tl.float32)
+        g1 = _ld(g_ptr + 2 * pair + 1, mask).to(tl.float32)
     t0, t1 = _unpair(tl.load(m_dec + mb))                     # T[code] of both nibbles
     m0 = t0 * msc + g0 * one_minus_b1
     m1 = t1 * msc + g1 * one_minus_b1

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
+import triton
+import triton.language as tl
 
 import adam4bit as A
 import bench
@@ -620,6 +622,24 @@ def test_kernel_sr_equals_reference_given_the_same_bits(kw):
             us.append(u)
         o_ker._step_quantized_triton(items, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, m_rule, u=us)
     _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=True)
+
+
+def test_kernel_philox_equals_triton_philox():
+    """The kernel's Philox (64-bit products) gives tl.philox's words, bit for bit."""
+    @triton.jit
+    def both(seed, out):
+        i = tl.arange(0, 256).to(tl.uint32)
+        c0 = i * 40503 + 12345
+        c1 = i ^ 1234567
+        a = A._philox(seed, c0, c1, c0 * 0 + 3, c0 * 0, 7)
+        b = tl.philox(seed, c0, c1, c0 * 0 + 3, c0 * 0, n_rounds=7)
+        for k in tl.static_range(4):
+            tl.store(out + k * 256 + i, a[k].to(tl.int32, bitcast=True))
+            tl.store(out + 1024 + k * 256 + i, b[k].to(tl.int32, bitcast=True))
+    for seed in (0, 12345, 2 ** 31 - 2):
+        out = torch.zeros(2048, dtype=torch.int32)
+        both[(1,)](seed, out)
+        assert torch.equal(out[:1024], out[1024:]) and out.unique().numel() > 1000
 
 
 def test_kernel_philox_sr_is_unbiased():
