@@ -13,9 +13,13 @@ working (unquantized) moments, and only then quantizes them for storage.
 
 Rounding (Appendix A.2): a rounding coordinate phi picks between the two adjacent levels a < b
 around x; p = (phi(b) - phi(x)) / (phi(b) - phi(a)) is the probability of writing a. RTN writes a
-iff p > 1/2 (a tie writes b), SR writes a iff u < p with u ~ U[0, 1). phi(v) = v is state space
+iff p > 1/2 (a tie writes b; in state space: iff x < (a + b)/2 in float32), SR writes a iff u < p
+with u ~ U[0, 1). phi(v) = v is state space
 (State-RTN/SR); phi = h_t(v) = 1 / (sqrt(v)/sqrt(1-b2^t) + eps) is preconditioner space
 (Update-RTN/SR). Inputs outside [min C, max C] saturate: p > 1 or p < 0 does it without a branch.
+
+Blocks are normalized before rounding: y = x (1/s) (one float32 reciprocal per block) is rounded
+against the codebook T itself, so the kernel's tables are the same for every block.
 
 This file holds the plain-PyTorch reference (the specification, used on CPU and with
 impl="torch"); the fused Triton step lives beside it.
@@ -64,7 +68,7 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
                     r_x=None, r_scale=None):
     """Round each x to one of its two adjacent levels; return int64 codes (level indices).
 
-    x:      float tensor (..., n), in the units of `levels` (quantize_blockwise passes y = x / s).
+    x:      float tensor (..., n), in the units of `levels` (quantize_blockwise passes y = x (1/s)).
     levels: 1-D float tensor (K,) sorted ascending, K >= 2, same dtype as x.
     rule:   "rtn" or "sr" (paper B, Appendix A.2); coord: "state" (phi(v) = v) or "update"
             (phi = h_t, nonnegative levels only).
@@ -281,6 +285,8 @@ class AdamW4bit(torch.optim.Optimizer):
 
     State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise.
+    state["step"] is a Python float (as in torch.optim before 1.12): no tensor op per parameter
+    and step, which matters on the GPU where the fused step of GPT-2-124M takes ~0.6 ms.
     Raises ValueError/TypeError for bad hyperparameters (also in param groups), unknown names,
     non-float parameters and mismatched state dicts; RuntimeError (as torch's AdamW) for sparse
     gradients.
@@ -559,17 +565,19 @@ class AdamW4bit(torch.optim.Optimizer):
             if len(self._tabs) > 64:                   # parameters or states were reallocated
                 self._tabs.clear()
             tab = self._tabs[ptrs] = torch.tensor(rows, dtype=torch.int64).to(dev)
-        # 16-byte vector loads need p, grad and codes 16-byte aligned (true for whole tensors;
-        # views into a flat buffer may not be): otherwise the launch reads element by element
-        aligned = all(x % 16 == 0 for r in ptrs for x in (r[0], r[1], r[2], r[4]))
+        # reading an element pair as one word needs p 8-byte and grad 8- (FP32) or 4-byte (BF16)
+        # aligned: true for whole tensors, maybe not for views into a flat buffer; otherwise the
+        # launch reads element by element
+        g_align = 4 if items[0][0].grad.dtype == torch.bfloat16 else 8
+        aligned = all(r[0] % 8 == 0 and r[1] % g_align == 0 for r in ptrs)
         v_coord, v_rule = c["v_rounding"].split("-")
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
         if KERNEL_MAXNREG and extra:
             extra["maxnreg"] = KERNEL_MAXNREG
         _adamw4bit_kernel[(progs[0].numel(),)](
-            progs[0], tab, tabs["m_dec"], tabs["v_dec"], tabs["v_cb"], tabs[f"m_lut_{m_rule}"], tabs[f"m_nxt_{m_rule}"],
-            tabs["v_lut"], tabs["v_nxt"], tabs["m_pair"], tabs["v_pair"],
+            progs[0], tab, tabs["m_dec"], tabs["v_dec"], tabs["v_cb"], tabs[f"m_lut_{m_rule}"],
+            tabs["v_lut"], tabs["m_pair"], tabs["v_pair"],
             self._seed_of_step(t), 1 - lr * wd, lr / bc1, b1, 1 - b1, b2, 1 - b2,
             1 / math.sqrt(bc2), eps, M_SR=m_rule == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
             EDEN=bool(c["eden"]), GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16,
@@ -610,16 +618,19 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 # --------------------------------------------------------------------------------------------
 # the fused Triton step: one pass over param, grad and both packed moments
 #
-# On the H200 this step is bound by instruction issue, not bandwidth (Nsight Compute: ~75-80 %
-# of issue slots busy, DRAM < 50 %), so the design counts instructions per element: the
-# quantizer works on y = x (1/s) against small tables (decode: one 64-bit read per byte; level
-# search: one bucket read and one compare; neighbours: one 64-bit read), tables stay small so a
-# warp's gathers touch few cache lines, and a program loops over 16 tiles to spread its setup.
+# On the H200 this step was bound by instruction issue, not bandwidth (Nsight Compute: 73-82 %
+# of issue slots busy, DRAM 41-61 %), so the design counts instructions per element: the
+# quantizer works on y = x (1/s) against tables (decode: one 64-bit read per byte; level search:
+# one 64-bit bucket read and one compare; neighbours: one 64-bit read), a program loops over 16
+# tiles to spread its setup and loads the second tile of a pair before the first one's
+# arithmetic (more bytes in flight without more warps), and a tile is two halves (even and odd
+# elements) so that nothing moves between threads (triton 3.6 compiled tl.join/tl.split into
+# shuffles).
 
 KERNEL_ELEMS = 128      # elements per tile (one warp; best of a sweep on H200)
 KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles share a Philox call)
-KERNEL_MAXNREG = 64     # registers per thread: 64 keeps 32 one-warp programs per SM (H200: -6 %)
-LUT_BUCKETS = 1024      # buckets of y = x / s over [-1, 1] in the kernel's level search
+KERNEL_MAXNREG = 64     # registers per thread: 64 keeps 32 one-warp programs per SM (4-6 % faster)
+LUT_BUCKETS = 1024      # buckets of y = x (1/s) over [-1, 1] in the kernel's level search
 _LUT_N = tl.constexpr(LUT_BUCKETS)
 _TAB_W = tl.constexpr(11)   # int64 columns per tensor in the launch table (see the kernel)
 
@@ -633,23 +644,23 @@ def _pair_bits(lo, hi):
 def _bucket_lut(bounds, n=LUT_BUCKETS, margin=2.0 ** -12):
     """The kernel's replacement for torch.searchsorted(bounds, y, right=True), y in [-1, 1].
 
-    Bucket j (0 <= j <= n) holds y with (y + 1) n/2 in [j, j+1). lut[j] counts the bounds
-    <= e_j - margin (surely <= every y of the bucket, e_j = -1 + 2j/n); at most one more bound
-    lies in [e_j - margin, e_j+1 + margin), so the count of bounds <= y is
-    c + (y >= nxt[c]) with c = lut[j] and nxt[c] = bounds[c] (2.0 past the last). The margin
-    (2^-12) covers the float32 error of the bucket index (~1e-7). Both tables are small (1 KB,
-    <= 64 B) so that a warp's gathers touch few cache lines.
-    bounds: sorted float32 (k,). Returns (lut uint8 (n + 1,), nxt float32 (k + 1,)).
+    Bucket j (0 <= j <= n) holds y with (y + 1) n/2 in [j, j+1). Its entry packs (_pair_bits)
+    c_j = the count of bounds <= e_j - margin (surely <= every y of the bucket, e_j = -1 + 2j/n)
+    and bounds[c_j], the next bound (2.0 past the last). At most one bound lies in
+    [e_j - margin, e_j+1 + margin), so the count of bounds <= y is c_j + (y >= bounds[c_j]): one
+    64-bit read and one comparison. The margin (2^-12) covers the float32 error of the bucket
+    index (~1e-7). bounds: sorted float32 (k,). Returns int64 (n + 1,) (8 KB).
     Raises ValueError if two bounds share a bucket (closer than ~2/n; the paper codebooks'
     levels and level midpoints are >= 0.0039 apart) or a bound lies outside [-1, 1]."""
     e = -1 + 2 * torch.arange(n + 2, dtype=torch.float64) / n
     b = bounds.double()[None, :]
-    lut = (b <= e[:-1, None] - margin).sum(1)
+    count = (b <= e[:-1, None] - margin).sum(1)
     inside = (b > e[:-1, None] - margin) & (b < e[1:, None] + margin)
     if inside.sum(1).max() > 1 or bounds.abs().max() > 1:
         raise ValueError(f"codebook levels are closer than the kernel's level buckets (2/{n} plus "
                          f"margins) or outside [-1, 1]: boundaries {bounds.tolist()}")
-    return lut.to(torch.uint8), torch.cat([bounds, torch.tensor([2.0])])
+    nxt = torch.cat([bounds, torch.tensor([2.0])])
+    return _pair_bits(count.to(torch.int32), nxt[count])
 
 
 def _kernel_tables(cfg):
@@ -657,8 +668,7 @@ def _kernel_tables(cfg):
     m_dec/v_dec: byte -> (T[low nibble], T[high nibble]) as _pair_bits, int64 (256,);
     v_cb: T_v (EDEN reads T[code]);
     m_lut_rtn/m_lut_sr/v_lut: _bucket_lut of the level midpoints (State-RTN: the code is the
-    count of midpoints <= y) or of the inner levels (the others: the lower level's index k),
-    with m_nxt_rtn/... its second table;
+    count of midpoints <= y) or of the inner levels (the others: the lower level's index k);
     m_pair/v_pair: k -> (T[k], T[k+1]) as _pair_bits, or (sqrt T[k], sqrt T[k+1]) for the
     update coordinate (one 64-bit gather)."""
     T_m, T_v = (get_codebook(cfg[k]) for k in ("m_codebook", "v_codebook"))
@@ -672,9 +682,8 @@ def _kernel_tables(cfg):
     Tp = sqrt_rn(T_v) if cfg["v_rounding"].startswith("update") else T_v
     t = dict(m_dec=dec(T_m), v_dec=dec(T_v), v_cb=T_v,
              m_pair=_pair_bits(T_m[:-1], T_m[1:]), v_pair=_pair_bits(Tp[:-1], Tp[1:]))
-    t["m_lut_rtn"], t["m_nxt_rtn"] = _bucket_lut(mid(T_m))
-    t["m_lut_sr"], t["m_nxt_sr"] = _bucket_lut(T_m[1:-1])
-    t["v_lut"], t["v_nxt"] = _bucket_lut(mid(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
+    t["m_lut_rtn"], t["m_lut_sr"] = _bucket_lut(mid(T_m)), _bucket_lut(T_m[1:-1])
+    t["v_lut"] = _bucket_lut(mid(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
     return t
 
 
@@ -685,11 +694,11 @@ def _unpair(e):
 
 
 @triton.jit
-def _quantize(y, lut, nxt, pair, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
+def _quantize(y, lut, pair, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
     # round_to_levels(y, T, ...) with the same float32 operations. _bucket_lut gives the count of
     # boundaries <= y: the code itself for State-RTN, else the lower level's index k.
-    c = tl.load(lut + tl.fma(y, 0.5 * _LUT_N, 0.5 * _LUT_N).to(tl.int32)).to(tl.int32)
-    k = c + (y >= tl.load(nxt + c)).to(tl.int32)
+    count, bound = _unpair(tl.load(lut + tl.fma(y, 0.5 * _LUT_N, 0.5 * _LUT_N).to(tl.int32)))
+    k = count.to(tl.int32, bitcast=True) + (y >= bound).to(tl.int32)
     if not SR and not UPDATE:
         return k
     a, b = _unpair(tl.load(pair + k))
@@ -763,8 +772,8 @@ def _join_bits(lo, hi):
 
 
 @triton.jit(do_not_specialize=["seed_t"])
-def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair,
-                      v_pair, seed_t, decay, step_size, b1, one_minus_b1, b2, one_minus_b2,
+def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair, v_pair,
+                      seed_t, decay, step_size, b1, one_minus_b1, b2, one_minus_b2,
                       inv_sqrt_bc2, eps, M_SR: tl.constexpr, V_SR: tl.constexpr,
                       V_UPDATE: tl.constexpr, EDEN: tl.constexpr, GRAD_BF16: tl.constexpr,
                       HAS_U: tl.constexpr, ALIGNED: tl.constexpr, BS: tl.constexpr,
@@ -787,9 +796,24 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut,
     u_v = tl.load(row + 10).to(tl.pointer_type(tl.float32))
     # A tile is held as two (NB, BS/2) halves, the even and the odd elements: they are the low
     # and high nibbles of one byte, so decode and packing need no data exchange between threads.
-    pair = tl.arange(0, NB)[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
+    rows = tl.arange(0, NB)
+    pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
     last = tl.minimum(first + NB * TILES, nblk)
     for f in tl.range(first, last, 2 * NB, num_stages=1):
+        # row and element masks: the second tile may lie past the program's end; the first only
+        # if a tile is several blocks (without masks when not needed: they cost instructions)
+        if NB > 1:
+            rmask_a = rows < nblk - f
+            mask_a = rmask_a[:, None]
+        else:
+            rmask_a = None
+            mask_a = None
+        rmask_b = rows < last - (f + NB)
+        mask_b = rmask_b[:, None]
+        # both tiles' inputs first: the second tile's loads are in flight during the first's
+        # arithmetic (-6 % on the H200)
+        a = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f, rmask_a, mask_a, b1, b2, GRAD_BF16, ALIGNED, BS, NB)
+        b = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, rmask_b, mask_b, b1, b2, GRAD_BF16, ALIGNED, BS, NB)
         um0 = 0.0
         um1 = 0.0
         uv0 = 0.0
@@ -813,46 +837,29 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut,
                 uv0, uv1, uv2, uv3 = _uniforms(seed, f * (BS // 2) + pair, 0)
             if M_SR:
                 um0, um1, um2, um3 = _uniforms(seed, f * (BS // 2) + pair, 1)
-        _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, f, nblk, um0, um1, uv0, uv1,
-                   m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
-                   decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
-                   M_SR, V_SR, V_UPDATE, EDEN, GRAD_BF16, ALIGNED, BS, NB)
-        if f + NB < last:
-            _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, nblk, um2, um3, uv2, uv3,
-                       m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
-                       decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
-                       M_SR, V_SR, V_UPDATE, EDEN, GRAD_BF16, ALIGNED, BS, NB)
+        _step_tile(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], um0, um1, uv0, uv1,
+                   p_ptr, mq, ms, vq, vs, f, rmask_a, mask_a, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair,
+                   v_pair, decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
+                   M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BS, NB)
+        _step_tile(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], um2, um3, uv2, uv3,
+                   p_ptr, mq, ms, vq, vs, f + NB, rmask_b, mask_b, m_dec, v_dec, v_cb, m_lut, v_lut,
+                   m_pair, v_pair, decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
+                   M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BS, NB)
 
 
 @triton.jit
-def _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, um0, um1, uv0, uv1,
-               m_dec, v_dec, v_cb, m_lut, m_nxt, v_lut, v_nxt, m_pair, v_pair,
-               decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
-               M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
-               EDEN: tl.constexpr, GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr,
-               BS: tl.constexpr, NB: tl.constexpr):
-    # blocks first .. first+NB-1 of one tensor: int64 block index, int32 offsets in the tile
+def _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, rmask, mask, b1, b2, GRAD_BF16: tl.constexpr,
+               ALIGNED: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
+    # inputs of blocks first .. first+NB-1 (int64 block index, int32 offsets): both codes
+    # (int32), scales times b1 / b2 (NB, 1), and param and grad as even/odd halves (float32)
     rows = tl.arange(0, NB)
     pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]   # byte index
-    if NB > 1:       # the last tile of a tensor may run past its end
-        rmask = rows < nblk - first
-        mask = rmask[:, None]
-    else:            # a tile is one whole block: no masks (they cost instructions)
-        rmask = None
-        mask = None
-    mq += first * (BS // 2)
-    vq += first * (BS // 2)
-    ms += first
-    vs += first
-
-    # decode and the working moments: m~ = T[code] (b1 s) + (1-b1) g, v~ likewise with g²
-    mb = _ld(mq + pair, mask).to(tl.int32)
-    vb = _ld(vq + pair, mask).to(tl.int32)
-    msc = (_ld(ms + rows, rmask) * b1)[:, None]
-    vsc = (_ld(vs + rows, rmask) * b2)[:, None]
+    mb = _ld(mq + first * (BS // 2) + pair, mask).to(tl.int32)
+    vb = _ld(vq + first * (BS // 2) + pair, mask).to(tl.int32)
+    msc = (_ld(ms + first + rows, rmask) * b1)[:, None]
+    vsc = (_ld(vs + first + rows, rmask) * b2)[:, None]
     if ALIGNED:      # an element pair is one aligned 64-bit (FP32) or 32-bit (BF16) word
-        p64 = p_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BS // 2)
-        w0, w1 = _unpair(_ld(p64 + pair, mask))
+        w0, w1 = _unpair(_ld(p_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BS // 2) + pair, mask))
         if GRAD_BF16:    # little-endian: the even element in the low half; BF16 -> FP32 exact
             gw = _ld(g_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + first * (BS // 2) + pair, mask)
             g0 = (gw << 16).to(tl.float32, bitcast=True)
@@ -861,12 +868,28 @@ def _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, um0, um1, uv0, uv1,
             g0, g1 = _unpair(_ld(g_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
                                  + first * (BS // 2) + pair, mask))
     else:
-        p_ptr += first * BS
-        g_ptr += first * BS
-        w0 = _ld(p_ptr + 2 * pair, mask)
-        w1 = _ld(p_ptr + 2 * pair + 1, mask)
-        g0 = _ld(g_ptr + 2 * pair, mask).to(tl.float32)
-        g1 = _ld(g_ptr + 2 * pair + 1, mask).to(tl.float32)
+        w0 = _ld(p_ptr + first * BS + 2 * pair, mask)
+        w1 = _ld(p_ptr + first * BS + 2 * pair + 1, mask)
+        g0 = _ld(g_ptr + first * BS + 2 * pair, mask).to(tl.float32)
+        g1 = _ld(g_ptr + first * BS + 2 * pair + 1, mask).to(tl.float32)
+    return mb, vb, msc, vsc, w0, w1, g0, g1
+
+
+@triton.jit
+def _step_tile(mb, vb, msc, vsc, w0, w1, g0, g1, um0, um1, uv0, uv1,
+               p_ptr, mq, ms, vq, vs, first, rmask, mask, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair,
+               v_pair, decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
+               M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
+               EDEN: tl.constexpr, ALIGNED: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
+    # the step of one tile from _load_tile's inputs and the SR uniforms of both halves
+    rows = tl.arange(0, NB)
+    pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
+    mq += first * (BS // 2)
+    vq += first * (BS // 2)
+    ms += first
+    vs += first
+
+    # the working moments: m~ = T[code] (b1 s) + (1-b1) g, v~ likewise with g²
     t0, t1 = _unpair(tl.load(m_dec + mb))                     # T[code] of both nibbles
     m0 = t0 * msc + g0 * one_minus_b1
     m1 = t1 * msc + g1 * one_minus_b1
@@ -880,16 +903,17 @@ def _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, um0, um1, uv0, uv1,
     w0 = w0 * decay - tl.div_rn(step_size * m0, r0)
     w1 = w1 * decay - tl.div_rn(step_size * m1, r1)
     if ALIGNED:
-        tl.store(p64 + pair, _join_bits(w0, w1), mask=mask)
+        tl.store(p_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BS // 2) + pair,
+                 _join_bits(w0, w1), mask=mask)
     else:
-        tl.store(p_ptr + 2 * pair, w0, mask=mask)
-        tl.store(p_ptr + 2 * pair + 1, w1, mask=mask)
+        tl.store(p_ptr + first * BS + 2 * pair, w0, mask=mask)
+        tl.store(p_ptr + first * BS + 2 * pair + 1, w1, mask=mask)
 
     # quantize both moments (paper B, Def. 3): s = max(absmax, 1e-12), y = x (1/s)
     s = tl.maximum(_absmax(m0, m1), 1e-12)
     inv = tl.div_rn(1.0, s)[:, None]
-    c0 = _quantize(m0 * inv, m_lut, m_nxt, m_pair, um0, r0, 0.0, eps, M_SR, False)
-    c1 = _quantize(m1 * inv, m_lut, m_nxt, m_pair, um1, r1, 0.0, eps, M_SR, False)
+    c0 = _quantize(m0 * inv, m_lut, m_pair, um0, r0, 0.0, eps, M_SR, False)
+    c1 = _quantize(m1 * inv, m_lut, m_pair, um1, r1, 0.0, eps, M_SR, False)
     tl.store(mq + pair, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
     tl.store(ms + rows, s, mask=rmask)
     s = tl.maximum(_absmax(v0, v1), 1e-12)
@@ -897,8 +921,8 @@ def _step_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, um0, um1, uv0, uv1,
     y0 = v0 * inv
     y1 = v1 * inv
     r_scale = (tl.sqrt_rn(s) * inv_sqrt_bc2)[:, None]
-    c0 = _quantize(y0, v_lut, v_nxt, v_pair, uv0, r0, r_scale, eps, V_SR, V_UPDATE)
-    c1 = _quantize(y1, v_lut, v_nxt, v_pair, uv1, r1, r_scale, eps, V_SR, V_UPDATE)
+    c0 = _quantize(y0, v_lut, v_pair, uv0, r0, r_scale, eps, V_SR, V_UPDATE)
+    c1 = _quantize(y1, v_lut, v_pair, uv1, r1, r_scale, eps, V_SR, V_UPDATE)
     if EDEN:         # c = sum y² / max(sum y T[code], 1e-12), float64 sums
         q0 = tl.load(v_cb + c0)
         q1 = tl.load(v_cb + c1)

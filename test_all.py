@@ -2233,7 +2233,7 @@ def test_bench_quality_compares_runs_with_shared_baseline(corpus, tmp_path):
 
 def test_bucket_lut_equals_searchsorted():
     """The kernel's level search (bucket j = trunc(y * n/2 + n/2) in float32 -- exactly the
-    kernel's fma, as y * n/2 is exact --, c = lut[j], one exact comparison with nxt[c]) equals
+    kernel's fma, as y * n/2 is exact --, then count_j + (y >= bound_j) from entry j) equals
     torch.searchsorted(bounds, y, right=True) for every codebook's level midpoints (State-RTN)
     and inner levels (the other rules), on adversarial y: each bound and each bucket edge
     +- 0..3 ulps, the ends of [-1, 1] and random y."""
@@ -2244,14 +2244,15 @@ def test_bucket_lut_equals_searchsorted():
     for name in CODEBOOKS:
         T = get_codebook(name)
         for bounds in ((T[:-1] + T[1:]) / 2, T[1:-1]):
-            lut, nxt = A._bucket_lut(bounds)
+            lut = A._bucket_lut(bounds)
+            count = (lut & 0xFFFFFFFF).to(torch.int32)
+            bound = (lut >> 32).to(torch.int32).view(torch.float32)
             y = torch.cat([bounds, edges, torch.tensor([-1.0, 0.0, 1.0]), torch.rand(4000, generator=gen) * 2 - 1])
             for _ in range(3):
                 y = torch.cat([y, torch.nextafter(y, y + torch.inf), torch.nextafter(y, y - torch.inf)]).unique()
             y = y[y.abs() <= 1 + 2 ** -22]                 # |x (1/s)| <= 1 up to rounding
             j = (y * half + half).to(torch.int32).long()
-            c = lut[j].long()
-            got = c + (y >= nxt[c]).long()
+            got = count[j].long() + (y >= bound[j]).long()
             assert torch.equal(got, torch.searchsorted(bounds, y, right=True)), name
     with pytest.raises(ValueError, match="closer than"):
         A._bucket_lut(torch.tensor([0.0, 0.5, 0.5005, 1.0]))
