@@ -279,7 +279,9 @@ class AdamW4bit(torch.optim.Optimizer):
     block_size:   elements per scale block (power of two, default 128). A moment is quantized
                   iff numel >= 4096 and numel % block_size == 0; others keep FP32 states.
     impl:         "torch" (reference), "triton" (fused kernel, CUDA or TRITON_INTERPRET=1), or
-                  "auto" (triton on CUDA tensors, torch otherwise).
+                  "auto" (triton on CUDA tensors, torch otherwise). A custom codebook whose levels
+                  (or level midpoints) are closer than the kernel's buckets (~0.004) runs on the
+                  reference under "auto" and is a ValueError under "triton".
     seed:         seeds the SR random bits; bits of step t depend only on (seed, t, parameter
                   index), so a resumed run draws the same bits.
 
@@ -338,6 +340,14 @@ class AdamW4bit(torch.optim.Optimizer):
         cfg.update(preset=preset, block_size=block_size)
         self.qcfg = cfg
         self.impl = impl
+        self._kernel_ok = True     # the kernel's tables need levels >= ~0.004 apart (_bucket_lut)
+        if quantized and impl != "torch":
+            try:
+                _kernel_tables(cfg)
+            except ValueError as e:
+                if impl == "triton":
+                    raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
+                self._kernel_ok = False  # impl="auto": the reference path
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
@@ -497,7 +507,7 @@ class AdamW4bit(torch.optim.Optimizer):
         return loss
 
     def _use_triton(self, p, interp):
-        if self.impl == "torch":
+        if self.impl == "torch" or not self._kernel_ok:
             return False
         ok = (p.is_cuda or interp) and p.dtype == torch.float32 and p.is_contiguous() and \
             p.grad.dtype in (torch.float32, torch.bfloat16) and p.grad.is_contiguous()
@@ -558,13 +568,14 @@ class AdamW4bit(torch.optim.Optimizer):
             for p, st, i in items)
         if u is not None:
             ptrs = tuple(r + (x.data_ptr(), y.data_ptr()) for r, (x, y) in zip(ptrs, u))
-        tab = self._tabs.get(ptrs)
+        key = (B, nb, KERNEL_TILES, ptrs)              # the rows' first programs depend on all
+        tab = self._tabs.get(key)
         if tab is None:                                # one row of _TAB_W int64 per tensor
             rows = [[first, r[7] // B, *r[:6], r[6] * 257 % _SEED_MOD, *(r[8:] or (0, 0))]
                     for first, r in zip(progs[1], ptrs)]
             if len(self._tabs) > 64:                   # parameters or states were reallocated
                 self._tabs.clear()
-            tab = self._tabs[ptrs] = torch.tensor(rows, dtype=torch.int64).to(dev)
+            tab = self._tabs[key] = torch.tensor(rows, dtype=torch.int64).to(dev)
         # reading an element pair as one word needs p 8-byte and grad 8- (FP32) or 4-byte (BF16)
         # aligned: true for whole tensors, maybe not for views into a flat buffer; otherwise the
         # launch reads element by element
@@ -618,7 +629,7 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 # --------------------------------------------------------------------------------------------
 # the fused Triton step: one pass over param, grad and both packed moments
 #
-# On the H200 this step was bound by instruction issue, not bandwidth (Nsight Compute: 73-82 %
+# On the H200 this step was bound by instruction issue, not bandwidth (Nsight Compute: 70-82 %
 # of issue slots busy, DRAM 41-61 %), so the design counts instructions per element: the
 # quantizer works on y = x (1/s) against tables (decode: one 64-bit read per byte; level search:
 # one 64-bit bucket read and one compare; neighbours: one 64-bit read), a program loops over 16
@@ -632,6 +643,9 @@ KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles sha
 KERNEL_MAXNREG = 64     # registers per thread: 64 keeps 32 one-warp programs per SM (4-6 % faster)
 LUT_BUCKETS = 1024      # buckets of y = x (1/s) over [-1, 1] in the kernel's level search
 _LUT_N = tl.constexpr(LUT_BUCKETS)
+# NaN input: the GPU's float -> int conversion gives bucket 0; the interpreter's gives INT_MIN,
+# so there (only) the bucket index is clamped
+_INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _TAB_W = tl.constexpr(11)   # int64 columns per tensor in the launch table (see the kernel)
 
 
@@ -656,7 +670,7 @@ def _bucket_lut(bounds, n=LUT_BUCKETS, margin=2.0 ** -12):
     b = bounds.double()[None, :]
     count = (b <= e[:-1, None] - margin).sum(1)
     inside = (b > e[:-1, None] - margin) & (b < e[1:, None] + margin)
-    if inside.sum(1).max() > 1 or bounds.abs().max() > 1:
+    if bounds.numel() and (inside.sum(1).max() > 1 or bounds.abs().max() > 1):
         raise ValueError(f"codebook levels are closer than the kernel's level buckets (2/{n} plus "
                          f"margins) or outside [-1, 1]: boundaries {bounds.tolist()}")
     nxt = torch.cat([bounds, torch.tensor([2.0])])
@@ -682,7 +696,9 @@ def _kernel_tables(cfg):
     Tp = sqrt_rn(T_v) if cfg["v_rounding"].startswith("update") else T_v
     t = dict(m_dec=dec(T_m), v_dec=dec(T_v), v_cb=T_v,
              m_pair=_pair_bits(T_m[:-1], T_m[1:]), v_pair=_pair_bits(Tp[:-1], Tp[1:]))
-    t["m_lut_rtn"], t["m_lut_sr"] = _bucket_lut(mid(T_m)), _bucket_lut(T_m[1:-1])
+    t["m_lut_rtn"] = _bucket_lut(mid(T_m))
+    if cfg["m_rounding"] == "sr" or cfg["lm_head_sr_after"] is not None:
+        t["m_lut_sr"] = _bucket_lut(T_m[1:-1])
     t["v_lut"] = _bucket_lut(mid(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
     return t
 
@@ -697,7 +713,10 @@ def _unpair(e):
 def _quantize(y, lut, pair, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
     # round_to_levels(y, T, ...) with the same float32 operations. _bucket_lut gives the count of
     # boundaries <= y: the code itself for State-RTN, else the lower level's index k.
-    count, bound = _unpair(tl.load(lut + tl.fma(y, 0.5 * _LUT_N, 0.5 * _LUT_N).to(tl.int32)))
+    j = tl.fma(y, 0.5 * _LUT_N, 0.5 * _LUT_N).to(tl.int32)
+    if _INTERP:
+        j = tl.minimum(tl.maximum(j, 0), _LUT_N)
+    count, bound = _unpair(tl.load(lut + j))
     k = count.to(tl.int32, bitcast=True) + (y >= bound).to(tl.int32)
     if not SR and not UPDATE:
         return k
@@ -796,24 +815,14 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair
     u_v = tl.load(row + 10).to(tl.pointer_type(tl.float32))
     # A tile is held as two (NB, BS/2) halves, the even and the odd elements: they are the low
     # and high nibbles of one byte, so decode and packing need no data exchange between threads.
-    rows = tl.arange(0, NB)
-    pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
+    pair = tl.arange(0, NB)[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
     last = tl.minimum(first + NB * TILES, nblk)
     for f in tl.range(first, last, 2 * NB, num_stages=1):
-        # row and element masks: the second tile may lie past the program's end; the first only
-        # if a tile is several blocks (without masks when not needed: they cost instructions)
-        if NB > 1:
-            rmask_a = rows < nblk - f
-            mask_a = rmask_a[:, None]
-        else:
-            rmask_a = None
-            mask_a = None
-        rmask_b = rows < last - (f + NB)
-        mask_b = rmask_b[:, None]
         # both tiles' inputs first: the second tile's loads are in flight during the first's
-        # arithmetic (-6 % on the H200)
-        a = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f, rmask_a, mask_a, b1, b2, GRAD_BF16, ALIGNED, BS, NB)
-        b = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, rmask_b, mask_b, b1, b2, GRAD_BF16, ALIGNED, BS, NB)
+        # arithmetic (-6 % on the H200); the second may lie past the program's end (masked),
+        # the first only if a tile is several blocks
+        a = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f, nblk, b1, b2, NB > 1, GRAD_BF16, ALIGNED, BS, NB)
+        b = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, last, b1, b2, True, GRAD_BF16, ALIGNED, BS, NB)
         um0 = 0.0
         um1 = 0.0
         uv0 = 0.0
@@ -823,11 +832,12 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair
         uv2 = 0.0
         uv3 = 0.0
         if HAS_U:    # tests: the caller's uniforms
-            um0 = tl.load(u_m + f * BS + 2 * pair)
-            um1 = tl.load(u_m + f * BS + 2 * pair + 1)
-            uv0 = tl.load(u_v + f * BS + 2 * pair)
-            uv1 = tl.load(u_v + f * BS + 2 * pair + 1)
-            ok = pair * 0 + f + NB < last
+            ok = pair // (BS // 2) < nblk - f        # rows inside the tensor
+            um0 = tl.load(u_m + f * BS + 2 * pair, mask=ok, other=0.0)
+            um1 = tl.load(u_m + f * BS + 2 * pair + 1, mask=ok, other=0.0)
+            uv0 = tl.load(u_v + f * BS + 2 * pair, mask=ok, other=0.0)
+            uv1 = tl.load(u_v + f * BS + 2 * pair + 1, mask=ok, other=0.0)
+            ok = pair // (BS // 2) < last - f - NB
             um2 = tl.load(u_m + (f + NB) * BS + 2 * pair, mask=ok, other=0.0)
             um3 = tl.load(u_m + (f + NB) * BS + 2 * pair + 1, mask=ok, other=0.0)
             uv2 = tl.load(u_v + (f + NB) * BS + 2 * pair, mask=ok, other=0.0)
@@ -838,22 +848,25 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair
             if M_SR:
                 um0, um1, um2, um3 = _uniforms(seed, f * (BS // 2) + pair, 1)
         _step_tile(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], um0, um1, uv0, uv1,
-                   p_ptr, mq, ms, vq, vs, f, rmask_a, mask_a, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair,
-                   v_pair, decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
-                   M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BS, NB)
+                   p_ptr, mq, ms, vq, vs, f, nblk, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair, v_pair,
+                   decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
+                   NB > 1, M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BS, NB)
         _step_tile(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], um2, um3, uv2, uv3,
-                   p_ptr, mq, ms, vq, vs, f + NB, rmask_b, mask_b, m_dec, v_dec, v_cb, m_lut, v_lut,
-                   m_pair, v_pair, decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
-                   M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BS, NB)
+                   p_ptr, mq, ms, vq, vs, f + NB, last, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair, v_pair,
+                   decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
+                   True, M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BS, NB)
 
 
 @triton.jit
-def _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, rmask, mask, b1, b2, GRAD_BF16: tl.constexpr,
-               ALIGNED: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
+def _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, lim, b1, b2, MASK: tl.constexpr,
+               GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
     # inputs of blocks first .. first+NB-1 (int64 block index, int32 offsets): both codes
-    # (int32), scales times b1 / b2 (NB, 1), and param and grad as even/odd halves (float32)
+    # (int32), scales times b1 / b2 (NB, 1), and param and grad as even/odd halves (float32).
+    # MASK: only rows < lim exist (without masks when every tile is one whole block: cheaper)
     rows = tl.arange(0, NB)
     pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]   # byte index
+    rmask = rows < lim - first if MASK else None
+    mask = rmask[:, None] if MASK else None
     mb = _ld(mq + first * (BS // 2) + pair, mask).to(tl.int32)
     vb = _ld(vq + first * (BS // 2) + pair, mask).to(tl.int32)
     msc = (_ld(ms + first + rows, rmask) * b1)[:, None]
@@ -877,13 +890,15 @@ def _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, rmask, mask, b1, b2, GRAD_BF
 
 @triton.jit
 def _step_tile(mb, vb, msc, vsc, w0, w1, g0, g1, um0, um1, uv0, uv1,
-               p_ptr, mq, ms, vq, vs, first, rmask, mask, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair,
-               v_pair, decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
-               M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
+               p_ptr, mq, ms, vq, vs, first, lim, m_dec, v_dec, v_cb, m_lut, v_lut, m_pair, v_pair,
+               decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
+               MASK: tl.constexpr, M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
                EDEN: tl.constexpr, ALIGNED: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
     # the step of one tile from _load_tile's inputs and the SR uniforms of both halves
     rows = tl.arange(0, NB)
     pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
+    rmask = rows < lim - first if MASK else None
+    mask = rmask[:, None] if MASK else None
     mq += first * (BS // 2)
     vq += first * (BS // 2)
     ms += first

@@ -624,6 +624,42 @@ def test_kernel_sr_equals_reference_given_the_same_bits(kw):
     _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=True)
 
 
+@pytest.mark.parametrize("kw", [dict(preset="torchao", m_codebook=torch.tensor([-1.0, 1.0])),
+                                dict(preset="zipsr", v_codebook=torch.tensor([0.0, 1.0]),
+                                     v_rounding="update-rtn", lm_head_sr_after=None)])
+def test_kernel_two_level_codebooks(kw):
+    # no inner level: the kernel's bucket table is all count 0, next bound 2.0
+    ref, o_ref, ker, o_ker = _twin_optimizers(**kw)
+    g = torch.Generator().manual_seed(23)
+    for _ in range(2):
+        _set_grads(ref, ker, g)
+        o_ref.step()
+        o_ker.step()
+    _assert_twins_equal(ref, o_ref, ker, o_ker)
+
+
+def test_kernel_codebook_too_dense_for_its_tables():
+    # midpoints 0.25 apart: RTN tables fine; inner levels 0 and 0.001 share a bucket: SR is not
+    dense = torch.tensor([-1.0, -0.5, 0.0, 0.001, 0.5, 1.0])
+    p = torch.nn.Parameter(torch.randn(4096))
+    A.AdamW4bit([p], impl="triton", preset="torchao", m_codebook=dense)
+    with pytest.raises(ValueError, match=r"impl='triton': codebook levels are closer than the "
+                                         r"kernel's level buckets .*use impl='torch'"):
+        A.AdamW4bit([p], impl="triton", preset="zipsr", m_codebook=dense)   # LM-head SR
+    o = A.AdamW4bit([p], impl="auto", preset="zipsr", m_codebook=dense)     # -> reference
+    p.grad = torch.randn(4096)
+    o.step()
+    assert not o._use_triton(p, interp=True)
+
+
+def test_kernel_nan_gradient_does_not_read_out_of_bounds():
+    p = torch.nn.Parameter(torch.randn(4096))
+    o = A.AdamW4bit([p], impl="triton", preset="zipsr")
+    p.grad = torch.full((4096,), float("nan"))
+    o.step()
+    assert torch.isnan(p).all()
+
+
 def test_kernel_philox_equals_triton_philox():
     """The kernel's Philox (64-bit products) gives tl.philox's words, bit for bit."""
     @triton.jit
