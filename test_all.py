@@ -568,8 +568,12 @@ def _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=False):
 
 
 @pytest.mark.parametrize("kw", [dict(preset="torchao"), dict(preset="zeeden"),
-                                dict(preset="zipsr", v_rounding="update-rtn")],
-                         ids=["torchao", "zeeden", "update-rtn"])
+                                dict(preset="zipsr", v_rounding="update-rtn"),
+                                # 2-level codebooks: no inner level, the bucket table is all 0
+                                dict(preset="torchao", m_codebook=torch.tensor([-1.0, 1.0])),
+                                dict(preset="zipsr", v_codebook=torch.tensor([0.0, 1.0]),
+                                     v_rounding="update-rtn", lm_head_sr_after=None)],
+                         ids=["torchao", "zeeden", "update-rtn", "m-2-levels", "v-2-levels"])
 def test_kernel_rtn_bit_identical_to_reference_over_steps(kw):
     ref, o_ref, ker, o_ker = _twin_optimizers(**kw)
     g = torch.Generator().manual_seed(12)
@@ -622,20 +626,6 @@ def test_kernel_sr_equals_reference_given_the_same_bits(kw):
             us.append(u)
         o_ker._step_quantized_triton(items, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, m_rule, u=us)
     _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=True)
-
-
-@pytest.mark.parametrize("kw", [dict(preset="torchao", m_codebook=torch.tensor([-1.0, 1.0])),
-                                dict(preset="zipsr", v_codebook=torch.tensor([0.0, 1.0]),
-                                     v_rounding="update-rtn", lm_head_sr_after=None)])
-def test_kernel_two_level_codebooks(kw):
-    # no inner level: the kernel's bucket table is all count 0, next bound 2.0
-    ref, o_ref, ker, o_ker = _twin_optimizers(**kw)
-    g = torch.Generator().manual_seed(23)
-    for _ in range(2):
-        _set_grads(ref, ker, g)
-        o_ref.step()
-        o_ker.step()
-    _assert_twins_equal(ref, o_ref, ker, o_ker)
 
 
 def test_kernel_codebook_too_dense_for_its_tables():
