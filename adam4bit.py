@@ -83,8 +83,7 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
     """
     K = levels.numel()
     if rule == "rtn" and coord == "state":
-        mid = (levels[:-1] + levels[1:]) / 2
-        return torch.searchsorted(mid, x.contiguous(), right=True)   # #{midpoints <= x}
+        return torch.searchsorted(_midpoints(levels), x.contiguous(), right=True)   # #{midpoints <= x}
     lo = torch.searchsorted(levels[1:K - 1], x.contiguous(), right=True)  # max{k <= K-2: level <= x}
     a, b = levels[lo], levels[lo + 1]
     # p = (phi(b) - phi(x)) / (phi(b) - phi(a)) = num / den, den > 0 inside the cell; decided
@@ -101,6 +100,11 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
         num, den = b - x, b - a
     take_a = 2 * num > den if rule == "rtn" else u * den < num
     return torch.where(take_a, lo, lo + 1)
+
+
+def _midpoints(levels):
+    """Float midpoints (a + b) / 2 of adjacent levels: State-RTN's boundaries (reference and kernel)."""
+    return (levels[:-1] + levels[1:]) / 2
 
 
 def pack_nibbles(codes):
@@ -340,14 +344,16 @@ class AdamW4bit(torch.optim.Optimizer):
         cfg.update(preset=preset, block_size=block_size)
         self.qcfg = cfg
         self.impl = impl
-        self._kernel_ok = True     # the kernel's tables need levels >= ~0.004 apart (_bucket_lut)
+        # the kernel's lookup tables (CPU; copied to each device at its first step). Their buckets
+        # need levels >= ~0.004 apart (_bucket_lut); None: impl="torch", FP32 states, or a codebook
+        # too dense for them under impl="auto" (the reference path)
+        self._kernel_tabs = None
         if quantized and impl != "torch":
             try:
-                _kernel_tables(cfg)
+                self._kernel_tabs = _kernel_tables(cfg)
             except ValueError as e:
                 if impl == "triton":
                     raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
-                self._kernel_ok = False  # impl="auto": the reference path
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
@@ -507,7 +513,7 @@ class AdamW4bit(torch.optim.Optimizer):
         return loss
 
     def _use_triton(self, p, interp):
-        if self.impl == "torch" or not self._kernel_ok:
+        if self._kernel_tabs is None:
             return False
         ok = (p.is_cuda or interp) and p.dtype == torch.float32 and p.is_contiguous() and \
             p.grad.dtype in (torch.float32, torch.bfloat16) and p.grad.is_contiguous()
@@ -554,7 +560,7 @@ class AdamW4bit(torch.optim.Optimizer):
         dev = items[0][0].device
         tabs = self._codebooks.get(dev)
         if tabs is None:
-            tabs = self._codebooks[dev] = {k: x.to(dev) for k, x in _kernel_tables(c).items()}
+            tabs = self._codebooks[dev] = {k: x.to(dev) for k, x in self._kernel_tabs.items()}
         nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per tile
         numels = tuple(p.numel() for p, _, _ in items)
         progs = self._prog_tables.get((dev, B, KERNEL_TILES, numels))
@@ -686,7 +692,6 @@ def _kernel_tables(cfg):
     m_pair/v_pair: k -> (T[k], T[k+1]) as _pair_bits, or (sqrt T[k], sqrt T[k+1]) for the
     update coordinate (one 64-bit gather)."""
     T_m, T_v = (get_codebook(cfg[k]) for k in ("m_codebook", "v_codebook"))
-    mid = lambda T: (T[:-1] + T[1:]) / 2
     codes = torch.arange(256)
 
     def dec(T):   # codes >= K are never written; they decode to the top level
@@ -696,10 +701,10 @@ def _kernel_tables(cfg):
     Tp = sqrt_rn(T_v) if cfg["v_rounding"].startswith("update") else T_v
     t = dict(m_dec=dec(T_m), v_dec=dec(T_v), v_cb=T_v,
              m_pair=_pair_bits(T_m[:-1], T_m[1:]), v_pair=_pair_bits(Tp[:-1], Tp[1:]))
-    t["m_lut_rtn"] = _bucket_lut(mid(T_m))
+    t["m_lut_rtn"] = _bucket_lut(_midpoints(T_m))
     if cfg["m_rounding"] == "sr" or cfg["lm_head_sr_after"] is not None:
         t["m_lut_sr"] = _bucket_lut(T_m[1:-1])
-    t["v_lut"] = _bucket_lut(mid(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
+    t["v_lut"] = _bucket_lut(_midpoints(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
     return t
 
 
