@@ -2261,27 +2261,34 @@ def test_bucket_lut_equals_searchsorted():
     """The kernel's level search (bucket j = trunc(y * n/2 + n/2) in float32 -- exactly the
     kernel's fma, as y * n/2 is exact --, then count_j + (y >= bound_j) from entry j) equals
     torch.searchsorted(bounds, y, right=True) for every codebook's level midpoints (State-RTN)
-    and inner levels (the other rules), on adversarial y: each bound and each bucket edge
-    +- 0..3 ulps, the ends of [-1, 1] and random y."""
+    and inner levels (the other rules), at the table's own bucket count and at the largest, on
+    adversarial y: each bound and each bucket edge +- 0..3 ulps, the ends of [-1, 1] and random y."""
     from codebooks import CODEBOOKS
     gen = torch.Generator().manual_seed(21)
-    half = A.LUT_BUCKETS // 2
-    edges = (-1 + 2 * torch.arange(A.LUT_BUCKETS + 2, dtype=torch.float64) / A.LUT_BUCKETS).float()
+    sizes = set()
     for name in CODEBOOKS:
         T = get_codebook(name)
         for bounds in ((T[:-1] + T[1:]) / 2, T[1:-1]):
-            lut = A._bucket_lut(bounds)
-            count = (lut & 0xFFFFFFFF).to(torch.int32)
-            bound = (lut >> 32).to(torch.int32).view(torch.float32)
-            y = torch.cat([bounds, edges, torch.tensor([-1.0, 0.0, 1.0]), torch.rand(4000, generator=gen) * 2 - 1])
-            for _ in range(3):
-                y = torch.cat([y, torch.nextafter(y, y + torch.inf), torch.nextafter(y, y - torch.inf)]).unique()
-            y = y[y.abs() <= 1 + 2 ** -22]                 # |x (1/s)| <= 1 up to rounding
-            j = (y * half + half).to(torch.int32).long()
-            got = count[j].long() + (y >= bound[j]).long()
-            assert torch.equal(got, torch.searchsorted(bounds, y, right=True)), name
+            for lut in (A._bucket_lut(bounds), A._bucket_lut(bounds, A.LUT_BUCKETS[-1])):
+                n = lut.numel() - 1
+                sizes.add(n)
+                count = (lut & 0xFFFFFFFF).to(torch.int32)
+                bound = (lut >> 32).to(torch.int32).view(torch.float32)
+                edges = (-1 + 2 * torch.arange(n + 2, dtype=torch.float64) / n).float()
+                y = torch.cat([bounds, edges, torch.tensor([-1.0, 0.0, 1.0]),
+                               torch.rand(4000, generator=gen) * 2 - 1])
+                for _ in range(3):
+                    y = torch.cat([y, torch.nextafter(y, y + torch.inf), torch.nextafter(y, y - torch.inf)]).unique()
+                y = y[y.abs() <= 1 + 2 ** -22]                 # |x (1/s)| <= 1 up to rounding
+                j = (y * (n / 2) + n / 2).to(torch.int32).long()
+                got = count[j].long() + (y >= bound[j]).long()
+                assert torch.equal(got, torch.searchsorted(bounds, y, right=True)), (name, n)
+    assert {32, 512, 1024} <= sizes                      # NF4 needs 32 buckets, Dyn4 512
     with pytest.raises(ValueError, match="closer than"):
         A._bucket_lut(torch.tensor([0.0, 0.5, 0.5005, 1.0]))
+    with pytest.raises(ValueError, match="closer than"):   # too dense for 32 buckets, not 64
+        A._bucket_lut(torch.tensor([-0.5, -0.45, 0.5]), 32)
+    assert A._bucket_lut(torch.tensor([-0.5, -0.45, 0.5])).numel() == 65
 
 
 # ---------------------------------------------------------------------------------------------
