@@ -591,7 +591,7 @@ class AdamW4bit(torch.optim.Optimizer):
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
         if KERNEL_MAXNREG and extra:
-            extra["maxnreg"] = KERNEL_MAXNREG
+            extra["maxnreg"] = KERNEL_MAXNREG["sr" in (m_rule, v_rule) or bool(c["eden"])]
         m_lut, v_lut = tabs[f"m_lut_{m_rule}"], tabs["v_lut"]
         _adamw4bit_kernel[(progs[0].numel(),)](
             progs[0], tab, tabs["m_dec"], tabs["v_dec"], tabs["v_cb"], m_lut, v_lut,
@@ -639,18 +639,20 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 # On the H200 this step was first bound by instruction issue, not bandwidth (Nsight Compute:
 # 70-82 % of issue slots busy, DRAM 41-61 %), so the design counts instructions per element: the
 # quantizer works on y = x (1/s) against tables (decode: one 64-bit read per byte; level search:
-# one 64-bit bucket read and one compare; neighbours: one 64-bit read). Later the latency of the
-# dependent table reads mattered more (a variant with 21 % fewer instructions, approximate sqrt
-# and division, was only 2 % faster): the tables are small, so a warp's 32 reads touch few
-# cache lines, and a program loops over 16
-# tiles to spread its setup and loads the second tile of a pair before the first one's
-# arithmetic (more bytes in flight without more warps), and a tile is two halves (even and odd
-# elements) so that nothing moves between threads (triton 3.6 compiled tl.join/tl.split into
-# shuffles).
+# one 64-bit bucket read and one compare; neighbours: one 64-bit read), and a tile is two
+# halves (even and odd elements) so that nothing moves between threads (triton 3.6 compiled
+# tl.join/tl.split into shuffles). Then latency mattered more (a variant with 21 % fewer
+# instructions, approximate sqrt and division, was only 2 % faster; Nsight Compute: 37 % of
+# warp stalls wait for the streamed inputs, DRAM 71 %): the tables are small, so a warp's 32
+# reads touch few cache lines, and a program loops over 16 tiles with the next tile's loads
+# issued before the current tile's arithmetic (more bytes in flight without more warps).
 
 KERNEL_ELEMS = 128      # elements per tile (one warp; best of a sweep on H200)
 KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles share a Philox call)
-KERNEL_MAXNREG = 64     # registers per thread: 64 keeps 32 one-warp programs per SM (4-6 % faster)
+# registers per thread, RTN-only steps / steps that draw SR bits or sum for EDEN: 64 keeps 32
+# one-warp programs per SM; the heavier steps ran 2-3 % faster with 72 (28 programs per SM),
+# the RTN-only one 6 % slower (A/B runs on the H200)
+KERNEL_MAXNREG = (64, 72)
 LUT_BUCKETS = (32, 64, 128, 256, 512, 1024)   # bucket counts of the level search over [-1, 1]
 # NaN input: the GPU's float -> int conversion gives bucket 0; the interpreter's gives INT_MIN,
 # so there (only) the bucket index is clamped at 0
@@ -842,11 +844,13 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, 
     # and high nibbles of one byte, so decode and packing need no data exchange between threads.
     pair = tl.arange(0, NB)[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
     last = tl.minimum(first + NB * TILES, nblk)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, b1, b2, NB > 1,
+                                                GRAD_BF16, ALIGNED, BS, NB)
     for f in tl.range(first, last, 2 * NB, num_stages=1):
-        # both tiles' inputs first: the second tile's loads are in flight during the first's
-        # arithmetic (-6 % on the H200); the second may lie past the program's end (masked),
-        # the first only if a tile is several blocks
-        a = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f, nblk, b1, b2, NB > 1, GRAD_BF16, ALIGNED, BS, NB)
+        # rotated: tile f's inputs were loaded in the previous iteration, tile f + NB's loads are
+        # in flight during tile f's arithmetic and tile f + 2 NB's during tile f + NB's (more
+        # bytes in flight without more warps; -3 % on the H200 against loading both tiles of
+        # an iteration before their arithmetic). Tiles past the program's end are masked.
         b = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, last, b1, b2, True, GRAD_BF16, ALIGNED, BS, NB)
         um0 = 0.0
         um1 = 0.0
@@ -872,10 +876,12 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, 
                 uv0, uv1, uv2, uv3 = _uniforms(seed, f * (BS // 2) + pair, 0)
             if M_SR:
                 um0, um1, um2, um3 = _uniforms(seed, f * (BS // 2) + pair, 1)
-        _step_tile(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], um0, um1, uv0, uv1,
+        _step_tile(a0, a1, a2, a3, a4, a5, a6, a7, um0, um1, uv0, uv1,
                    p_ptr, mq, ms, vq, vs, f, nblk, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, v_hn, m_pair, v_pair,
                    decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
                    NB > 1, M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BS, NB)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + 2 * NB, last, b1, b2,
+                                                    True, GRAD_BF16, ALIGNED, BS, NB)
         _step_tile(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], um2, um3, uv2, uv3,
                    p_ptr, mq, ms, vq, vs, f + NB, last, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, v_hn, m_pair, v_pair,
                    decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
