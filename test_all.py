@@ -668,6 +668,32 @@ def test_kernel_philox_equals_triton_philox():
         assert torch.equal(out[:1024], out[1024:]) and out.unique().numel() > 1000
 
 
+def test_kernel_sr_uniforms_are_16_bit_halves_of_philox():
+    """_uniforms: byte b of a tile pair reads Philox4x32-7 (torch reference) at counter
+    ((b >> 6) * 32 + (b & 31), stream), half (b >> 5) & 1 of each word, u = (k + 1/2) 2^-16 --
+    so bytes b and b + 32 share one call and no two elements share bits; also for byte indices
+    past 2^32 (the counter's high word)."""
+    @triton.jit
+    def k(out, seed, base, stream):
+        byte = base + tl.arange(0, 4)[:, None] * 64 + tl.arange(0, 64)[None, :]
+        us = A._uniforms(seed, byte, stream)
+        i = tl.arange(0, 4)[:, None] * 64 + tl.arange(0, 64)[None, :]
+        for q in tl.static_range(4):
+            tl.store(out + q * 256 + i, us[q])
+    M = 0xFFFFFFFF
+    for seed, base, stream in ((7, 0, 0), (2 ** 31 - 2, 3 * 2 ** 32 + 128, 1)):
+        out = torch.zeros(4, 256)
+        k[(1,)](out, seed, base, stream)
+        b = base + torch.arange(256, dtype=torch.int64)
+        c = (b >> 6) * 32 + (b & 31)
+        z = torch.zeros_like(c)
+        words = g._philox_torch(c & M, c >> 32, z + stream, z, z + seed, z, rounds=7)
+        h = ((b >> 5) & 1) * 16
+        want = torch.stack([(((w >> h) & 0xFFFF).double() + 0.5) / 65536 for w in words]).float()
+        assert torch.equal(out, want)
+        assert out.unique().numel() > 1000                  # 1024 draws, (almost) all distinct
+
+
 def test_kernel_philox_sr_is_unbiased():
     # With b1 = b2 = 0 the working moments are m = g and v = g² (bias correction 1 at t = 1), so
     # one step stores Q(g) and Q(g²). Each 128-element pattern is repeated R times; per element,
