@@ -643,20 +643,18 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 # halves (even and odd elements) so that nothing moves between threads (triton 3.6 compiled
 # tl.join/tl.split into shuffles). Then latency mattered more (a variant with 21 % fewer
 # instructions, approximate sqrt and division, was only 2 % faster; Nsight Compute: 37 % of
-# warp stalls wait for the streamed inputs, DRAM 71 %): the tables are small, so a warp's 32
+# warp-stall samples on long-scoreboard waits, 33 % at the first uses of the streamed inputs;
+# DRAM 71 %): the tables are small, so a warp's 32
 # reads touch few cache lines, and a program loops over 16 tiles with the next tile's loads
 # issued before the current tile's arithmetic (more bytes in flight without more warps).
 
 KERNEL_ELEMS = 128      # elements per tile (one warp; best of a sweep on H200)
 KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles share a Philox call)
 # registers per thread, RTN-only steps / steps that draw SR bits or sum for EDEN: 64 keeps 32
-# one-warp programs per SM; the heavier steps ran 2-3 % faster with 72 (28 programs per SM),
-# the RTN-only one 6 % slower (A/B runs on the H200)
+# one-warp programs per SM; with 72 (28 programs per SM) ZIP-SR ran 1 % and ZE-EDEN 2 % faster,
+# the RTN-only TorchAO preset 4 % slower (one A/B run on the H200)
 KERNEL_MAXNREG = (64, 72)
 LUT_BUCKETS = (32, 64, 128, 256, 512, 1024)   # bucket counts of the level search over [-1, 1]
-# NaN input: the GPU's float -> int conversion gives bucket 0; the interpreter's gives INT_MIN,
-# so there (only) the bucket index is clamped at 0
-_INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _TAB_W = tl.constexpr(11)   # int64 columns per tensor in the launch table (see the kernel)
 
 
@@ -676,7 +674,7 @@ def _bucket_lut(bounds, n=None, margin=2.0 ** -12):
     64-bit read and one comparison. The margin (2^-12) covers the float32 error of the bucket
     index (~1e-7). bounds: sorted float32 (k,). n=None: the fewest buckets in LUT_BUCKETS that
     work (NF4: 32, Dyn4: 512): a smaller table spreads a warp's 32 reads over fewer cache lines
-    (-2 % step time on the H200). Returns int64 (n + 1,) (at most 8 KB).
+    (-1.6 % step time in one A/B run on the H200). Returns int64 (n + 1,) (at most 8 KB).
     Raises ValueError if two bounds share a bucket (closer than ~2/n; the paper codebooks'
     levels and level midpoints are >= 0.0039 apart) or a bound lies outside [-1, 1]."""
     if n is None:
@@ -715,10 +713,16 @@ def _kernel_tables(cfg):
     Tp = sqrt_rn(T_v) if cfg["v_rounding"].startswith("update") else T_v
     t = dict(m_dec=dec(T_m), v_dec=dec(T_v), v_cb=T_v,
              m_pair=_pair_bits(T_m[:-1], T_m[1:]), v_pair=_pair_bits(Tp[:-1], Tp[1:]))
-    t["m_lut_rtn"] = _bucket_lut(_midpoints(T_m))
-    if cfg["m_rounding"] == "sr" or cfg["lm_head_sr_after"] is not None:
-        t["m_lut_sr"] = _bucket_lut(T_m[1:-1])
-    t["v_lut"] = _bucket_lut(_midpoints(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
+    try:
+        t["m_lut_rtn"] = _bucket_lut(_midpoints(T_m))
+        if cfg["m_rounding"] == "sr" or cfg["lm_head_sr_after"] is not None:
+            t["m_lut_sr"] = _bucket_lut(T_m[1:-1])
+    except ValueError as e:
+        raise ValueError(f"m_codebook {cfg['m_codebook']!r}: {e}") from None
+    try:
+        t["v_lut"] = _bucket_lut(_midpoints(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
+    except ValueError as e:
+        raise ValueError(f"v_codebook {cfg['v_codebook']!r}: {e}") from None
     return t
 
 
@@ -732,10 +736,9 @@ def _unpair(e):
 def _quantize(y, lut, hn, pair, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
     # round_to_levels(y, T, ...) with the same float32 operations. _bucket_lut (2 hn buckets)
     # gives the count of boundaries <= y: the code itself for State-RTN, else the lower level's
-    # index k. |y| <= 1, so 0 <= j <= 2 hn unless y is NaN (see _INTERP).
-    j = tl.fma(y, hn, hn).to(tl.int32)
-    if _INTERP:
-        j = tl.maximum(j, 0)
+    # index k. y is in [-1, 1] or NaN; the minimum maps NaN to bucket 2 hn (code K-1, as the
+    # reference's searchsorted) and keeps the index inside the table.
+    j = tl.minimum(tl.fma(y, hn, hn), 2 * hn).to(tl.int32)
     count, bound = _unpair(tl.load(lut + j))
     k = count.to(tl.int32, bitcast=True) + (y >= bound).to(tl.int32)
     if not SR and not UPDATE:
@@ -849,8 +852,9 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, 
     for f in tl.range(first, last, 2 * NB, num_stages=1):
         # rotated: tile f's inputs were loaded in the previous iteration, tile f + NB's loads are
         # in flight during tile f's arithmetic and tile f + 2 NB's during tile f + NB's (more
-        # bytes in flight without more warps; -3 % on the H200 against loading both tiles of
-        # an iteration before their arithmetic). Tiles past the program's end are masked.
+        # bytes in flight without more warps; ZIP-SR -2.4 to -2.9 % with 72 registers in A/B runs
+        # on the H200 against loading both tiles of an iteration before their arithmetic).
+        # Tiles past the program's end are masked.
         b = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, last, b1, b2, True, GRAD_BF16, ALIGNED, BS, NB)
         um0 = 0.0
         um1 = 0.0
@@ -955,14 +959,16 @@ def _step_tile(mb, vb, msc, vsc, w0, w1, g0, g1, um0, um1, uv0, uv1,
         tl.store(p_ptr + first * BS + 2 * pair, w0, mask=mask)
         tl.store(p_ptr + first * BS + 2 * pair + 1, w1, mask=mask)
 
-    # quantize both moments (paper B, Def. 3): s = max(absmax, 1e-12), y = x (1/s)
-    s = tl.maximum(_absmax(m0, m1), 1e-12)
+    # quantize both moments (paper B, Def. 3): s = max(absmax, 1e-12), y = x (1/s). A NaN in the
+    # block makes s NaN, as in the reference (tl.maximum would otherwise drop it and leave y
+    # huge), so every y is NaN and the bucket index stays inside its table.
+    s = tl.maximum(_absmax(m0, m1), 1e-12, propagate_nan=tl.PropagateNan.ALL)
     inv = tl.div_rn(1.0, s)[:, None]
     c0 = _quantize(m0 * inv, m_lut, m_hn, m_pair, um0, r0, 0.0, eps, M_SR, False)
     c1 = _quantize(m1 * inv, m_lut, m_hn, m_pair, um1, r1, 0.0, eps, M_SR, False)
     tl.store(mq + pair, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
     tl.store(ms + rows, s, mask=rmask)
-    s = tl.maximum(_absmax(v0, v1), 1e-12)
+    s = tl.maximum(_absmax(v0, v1), 1e-12, propagate_nan=tl.PropagateNan.ALL)
     inv = tl.div_rn(1.0, s)[:, None]
     y0 = v0 * inv
     y1 = v1 * inv

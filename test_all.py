@@ -633,8 +633,8 @@ def test_kernel_codebook_too_dense_for_its_tables():
     dense = torch.tensor([-1.0, -0.5, 0.0, 0.001, 0.5, 1.0])
     p = torch.nn.Parameter(torch.randn(4096))
     A.AdamW4bit([p], impl="triton", preset="torchao", m_codebook=dense)
-    with pytest.raises(ValueError, match=r"impl='triton': codebook levels are closer than the "
-                                         r"kernel's level buckets .*use impl='torch'"):
+    with pytest.raises(ValueError, match=r"(?s)impl='triton': m_codebook tensor.*codebook levels are closer "
+                                         r"than the kernel's level buckets .*use impl='torch'"):
         A.AdamW4bit([p], impl="triton", preset="zipsr", m_codebook=dense)   # LM-head SR
     o = A.AdamW4bit([p], impl="auto", preset="zipsr", m_codebook=dense)     # -> reference
     p.grad = torch.randn(4096)
@@ -642,12 +642,35 @@ def test_kernel_codebook_too_dense_for_its_tables():
     assert not o._use_triton(p, interp=True)
 
 
-def test_kernel_nan_gradient_does_not_read_out_of_bounds():
-    p = torch.nn.Parameter(torch.randn(4096))
-    o = A.AdamW4bit([p], impl="triton", preset="zipsr")
-    p.grad = torch.full((4096,), float("nan"))
-    o.step()
-    assert torch.isnan(p).all()
+@pytest.mark.parametrize("preset,kw", [("torchao", {}), ("zeeden", {}), ("zipsr", dict(v_rounding="update-rtn")),
+                                       ("zipsr", {})])
+def test_kernel_nan_gradient_matches_reference(preset, kw):
+    """A NaN gradient element among small finite ones (and an all-NaN tensor): the block's scales
+    become NaN as in the reference (a dropped NaN left s = 1e-12 and the bucket index far past
+    its table), the other blocks are untouched by it; RTN presets equal the reference exactly,
+    NaN block included (codes and scales; NaN compared as NaN)."""
+    g = torch.full((4096,), 1e-5)
+    g[130] = float("nan")                                  # block 1 of 32
+    ps = [torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(4096))]
+    qs = [torch.nn.Parameter(x.detach().clone()) for x in ps]
+    grads = [g, torch.full((4096,), float("nan"))]
+    ok = A.AdamW4bit(ps, impl="triton", preset=preset, **kw)
+    ref = A.AdamW4bit(qs, impl="torch", preset=preset, **kw)
+    for a, b, gr in zip(ps, qs, grads):
+        a.grad, b.grad = gr.clone(), gr.clone()
+    ok.step()
+    ref.step()
+    st = ok.state[ps[0]]
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+        assert torch.isnan(st[key][1]) and torch.isfinite(st[key][torch.arange(32) != 1]).all()
+    assert torch.isnan(ps[0][130]) and torch.isfinite(ps[0][torch.arange(4096) != 130]).all()
+    if "sr" not in kw.get("v_rounding", A.PRESETS[preset]["v_rounding"]):
+        for a, b in zip(ps, qs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+            for key in ok.state[a]:
+                if torch.is_tensor(ok.state[a][key]):
+                    torch.testing.assert_close(ok.state[a][key], ref.state[b][key], rtol=0, atol=0,
+                                               equal_nan=True)
 
 
 def test_kernel_philox_equals_triton_philox():
