@@ -655,6 +655,7 @@ KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles sha
 # the RTN-only TorchAO preset 4 % slower (one A/B run on the H200)
 KERNEL_MAXNREG = (64, 72)
 LUT_BUCKETS = (32, 64, 128, 256, 512, 1024)   # bucket counts of the level search over [-1, 1]
+_INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _TAB_W = tl.constexpr(11)   # int64 columns per tensor in the launch table (see the kernel)
 
 
@@ -736,9 +737,11 @@ def _unpair(e):
 def _quantize(y, lut, hn, pair, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
     # round_to_levels(y, T, ...) with the same float32 operations. _bucket_lut (2 hn buckets)
     # gives the count of boundaries <= y: the code itself for State-RTN, else the lower level's
-    # index k. y is in [-1, 1] or NaN; the minimum maps NaN to bucket 2 hn (code K-1, as the
-    # reference's searchsorted) and keeps the index inside the table.
-    j = tl.minimum(tl.fma(y, hn, hn), 2 * hn).to(tl.int32)
+    # index k. y is in [-1, 1] or NaN (the whole block then, see _step_tile): the GPU converts
+    # NaN to bucket 0, the interpreter to INT_MIN, so there (only) the index is clamped.
+    j = tl.fma(y, hn, hn).to(tl.int32)
+    if _INTERP:
+        j = tl.maximum(j, 0)
     count, bound = _unpair(tl.load(lut + j))
     k = count.to(tl.int32, bitcast=True) + (y >= bound).to(tl.int32)
     if not SR and not UPDATE:

@@ -642,13 +642,14 @@ def test_kernel_codebook_too_dense_for_its_tables():
     assert not o._use_triton(p, interp=True)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")   # the interpreter's NaN -> int
 @pytest.mark.parametrize("preset,kw", [("torchao", {}), ("zeeden", {}), ("zipsr", dict(v_rounding="update-rtn")),
                                        ("zipsr", {})])
 def test_kernel_nan_gradient_matches_reference(preset, kw):
     """A NaN gradient element among small finite ones (and an all-NaN tensor): the block's scales
     become NaN as in the reference (a dropped NaN left s = 1e-12 and the bucket index far past
-    its table), the other blocks are untouched by it; RTN presets equal the reference exactly,
-    NaN block included (codes and scales; NaN compared as NaN)."""
+    its table), the other blocks are untouched by it; RTN presets equal the reference exactly
+    (NaN compared as NaN) except the codes of NaN blocks, which decode to NaN whatever they are."""
     g = torch.full((4096,), 1e-5)
     g[130] = float("nan")                                  # block 1 of 32
     ps = [torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(4096))]
@@ -667,10 +668,11 @@ def test_kernel_nan_gradient_matches_reference(preset, kw):
     if "sr" not in kw.get("v_rounding", A.PRESETS[preset]["v_rounding"]):
         for a, b in zip(ps, qs):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
-            for key in ok.state[a]:
-                if torch.is_tensor(ok.state[a][key]):
-                    torch.testing.assert_close(ok.state[a][key], ref.state[b][key], rtol=0, atol=0,
-                                               equal_nan=True)
+            for key in ("exp_avg", "exp_avg_sq"):
+                sc = ref.state[b][key + "_scale"]
+                torch.testing.assert_close(ok.state[a][key + "_scale"], sc, rtol=0, atol=0, equal_nan=True)
+                keep = torch.isfinite(sc).repeat_interleave(64)     # 64 code bytes per block
+                assert torch.equal(ok.state[a][key][keep], ref.state[b][key][keep])
 
 
 def test_kernel_philox_equals_triton_philox():
