@@ -644,9 +644,9 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 # tl.join/tl.split into shuffles). Then latency mattered more (a variant with 21 % fewer
 # instructions, approximate sqrt and division, was only 2 % faster; Nsight Compute: 37 % of
 # warp-stall samples on long-scoreboard waits, 33 % at the first uses of the streamed inputs;
-# DRAM 71 %): the tables are small, so a warp's 32
-# reads touch few cache lines, and a program loops over 16 tiles with the next tile's loads
-# issued before the current tile's arithmetic (more bytes in flight without more warps).
+# DRAM 71 %): the tables are small, so a warp's 32 reads touch few cache lines, and a program
+# loops over 16 tiles with the next tile's loads issued before the current tile's arithmetic
+# (more bytes in flight without more warps).
 
 KERNEL_ELEMS = 128      # elements per tile (one warp; best of a sweep on H200)
 KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles share a Philox call)
