@@ -219,6 +219,13 @@ V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
 IMPLS = ("auto", "torch", "triton")
 _SEED_MOD = 2 ** 31 - 1
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
+
+
+def _seed_of_index(index):
+    # the parameter's term of AdamW4bit._step_seed (the kernel's launch table holds it per tensor)
+    return index * 257 % _SEED_MOD
+
+
 def _check_hparams(h, where):
     """ValueError/TypeError naming the hyperparameter, its value and the allowed range."""
     lr, betas, eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
@@ -526,7 +533,7 @@ class AdamW4bit(torch.optim.Optimizer):
     def _step_seed(self, t, index):
         # Independent SR bits per (seed, step, parameter); 31 bits so both torch and Triton take
         # it. The kernel adds the two terms itself (its launch table is then the same each step).
-        return (self._seed_of_step(t) + index * 257 % _SEED_MOD) % _SEED_MOD
+        return (self._seed_of_step(t) + _seed_of_index(index)) % _SEED_MOD
 
     def _seed_of_step(self, t):
         return (self.seed * 1_000_003 + t * 65_537) % _SEED_MOD
@@ -577,7 +584,7 @@ class AdamW4bit(torch.optim.Optimizer):
         key = (B, nb, KERNEL_TILES, ptrs)              # the rows' first programs depend on all
         tab = self._tabs.get(key)
         if tab is None:                                # one row of _TAB_W int64 per tensor
-            rows = [[first, r[7] // B, *r[:6], r[6] * 257 % _SEED_MOD, *(r[8:] or (0, 0))]
+            rows = [[first, r[7] // B, *r[:6], _seed_of_index(r[6]), *(r[8:] or (0, 0))]
                     for first, r in zip(progs[1], ptrs)]
             if len(self._tabs) > 64:                   # parameters or states were reallocated
                 self._tabs.clear()
@@ -656,6 +663,7 @@ KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles sha
 KERNEL_MAXNREG = (64, 72)
 LUT_BUCKETS = (32, 64, 128, 256, 512, 1024)   # bucket counts of the level search over [-1, 1]
 _INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_SEED_MOD_TL = tl.constexpr(_SEED_MOD)
 _TAB_W = tl.constexpr(11)   # int64 columns per tensor in the launch table (see the kernel)
 
 
@@ -843,7 +851,7 @@ def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, 
     ms = tl.load(row + 5).to(tl.pointer_type(tl.float32))
     vq = tl.load(row + 6).to(tl.pointer_type(tl.uint8))
     vs = tl.load(row + 7).to(tl.pointer_type(tl.float32))
-    seed = (seed_t + tl.load(row + 8)) % 2147483647          # AdamW4bit._step_seed
+    seed = (seed_t + tl.load(row + 8)) % _SEED_MOD_TL        # AdamW4bit._step_seed
     u_m = tl.load(row + 9).to(tl.pointer_type(tl.float32))
     u_v = tl.load(row + 10).to(tl.pointer_type(tl.float32))
     # A tile is held as two (NB, BS/2) halves, the even and the odd elements: they are the low
