@@ -21,6 +21,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import sys
 
 import torch
@@ -44,6 +45,40 @@ def copy_bandwidth(nbytes=4 << 30):
     ms = median_ms(lambda: y.copy_(x))
     del x, y
     return 2 * nbytes / (ms * 1e-3)
+
+
+def power_during(fn, seconds=2.0):
+    """Run fn back to back for `seconds` while nvidia-smi samples this GPU every 100 ms. Returns
+    dict(power_w=median board power in W, sm_mhz=median SM clock in MHz, power_cap_pct=% of
+    samples in which the software power cap held the clocks down, NVML reason 0x4), or None
+    where nvidia-smi or the device's PCI address is not available. Why: the memory-bound
+    optimizer steps run the H200 at its 700 W cap, so their time also depends on the energy
+    each step spends on arithmetic and data movement, not only on the bytes moved."""
+    import shutil, subprocess, time
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if shutil.which("nvidia-smi") is None or not hasattr(props, "pci_bus_id"):
+        return None
+    bus = f"{getattr(props, 'pci_domain_id', 0):08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    q = "power.draw,clocks.sm,clocks_throttle_reasons.active"
+    mon = subprocess.Popen(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits", "-i", bus,
+                            "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    mon.terminate()
+    rows = []
+    for line in mon.communicate()[0].splitlines():
+        try:
+            w, mhz, reasons = (x.strip() for x in line.split(","))
+            rows.append((float(w), float(mhz), int(reasons, 16)))
+        except ValueError:   # a header, an "[N/A]" or a cut-off last line
+            continue
+    if not rows:
+        return None
+    return dict(power_w=statistics.median(r[0] for r in rows), sm_mhz=statistics.median(r[1] for r in rows),
+                power_cap_pct=100 * sum(r[2] & 4 != 0 for r in rows) / len(rows))
 
 
 def gpt2_shapes():
@@ -116,21 +151,26 @@ def bench_optim(quick=False):
                 print(f"  {case} {name}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
             state = trainer.optimizer_state_bytes(opt)
+            pw = power_during(opt.step) if n > 2e8 else None   # a long case: enough samples
             if name == "torch AdamW fused":
                 base = ms
             # bytes moved: param r+w (8), grad read, state r+w
             moved = n * (8 + (2 if gdt == torch.bfloat16 else 4)) + 2 * state
             rows.append(dict(case=case, optimizer=name, ms=ms, state_bytes_per_param=state / n,
                              vs_fused=(base / ms) if base else None,
-                             floor_ms=moved / bw * 1e3, pct_of_floor=moved / bw * 1e3 / ms * 100))
+                             floor_ms=moved / bw * 1e3, pct_of_floor=moved / bw * 1e3 / ms * 100, **(pw or {})))
             del opt, ps
             torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    print(f"{'case':24s} {'optimizer':36s} {'ms':>8s} {'B/param':>8s} {'fused/x':>8s} {'floor ms':>9s} {'%floor':>7s}")
+    print(f"{'case':24s} {'optimizer':36s} {'ms':>8s} {'B/param':>8s} {'fused/x':>8s} {'floor ms':>9s} {'%floor':>7s}"
+          f" {'W':>5s} {'SM MHz':>6s} {'cap%':>5s}")
     for r in rows:
         vs = f"{r['vs_fused']:.2f}x" if r["vs_fused"] else "-"
+        pw = f" {r['power_w']:5.0f} {r['sm_mhz']:6.0f} {r['power_cap_pct']:5.0f}" if "power_w" in r else ""
         print(f"{r['case']:24s} {r['optimizer']:36s} {r['ms']:8.3f} {r['state_bytes_per_param']:8.4f} "
-              f"{vs:>8s} {r['floor_ms']:9.3f} {r['pct_of_floor']:6.1f}%")
+              f"{vs:>8s} {r['floor_ms']:9.3f} {r['pct_of_floor']:6.1f}%" + pw)
+    print("(W, SM MHz: medians of nvidia-smi samples over 2 s of back-to-back steps after the timing; "
+          "cap%: share of samples with the software power cap lowering the clocks)")
     return dict(copy_bandwidth_TBps=bw / 1e12, rows=rows)
 
 
