@@ -701,8 +701,12 @@ def _pqn_setup_context(ctx, inputs, output):
 
 
 def _pqn_backward(ctx, g_w_hat, g_tmax):
+    # the op's and _PQNSample's backward: the grad op where is_compiling() is true (torch 2.13
+    # while AOTAutograd traces a compiled backward), else the plain function, whose launches go
+    # through wrap_triton under a tracing mode (_launch), so a compiled backward is right either
+    # way (H200, torch 2.11, where is_compiling() is false there: compiled grads = eager grads)
     tmax, seed = ctx.saved_tensors
-    dw, dpow2 = torch.ops.gaussws.pqn_grad(g_w_hat, tmax, seed, *ctx.args)
+    dw, dpow2 = _pqn_ops()[1](g_w_hat, tmax, seed, *ctx.args)
     return dw, dpow2, None, None, None, None, None
 
 
@@ -719,12 +723,7 @@ class _PQNSample(torch.autograd.Function):
 
     forward = staticmethod(_pqn_sample_impl)
     setup_context = staticmethod(_pqn_setup_context)   # separate from forward: functorch needs it
-
-    @staticmethod
-    def backward(ctx, g_w_hat, g_tmax):
-        tmax, seed = ctx.saved_tensors
-        dw, dpow2 = _pqn_grad_impl(g_w_hat, tmax, seed, *ctx.args)
-        return dw, dpow2, None, None, None, None, None
+    backward = staticmethod(_pqn_backward)
 
 
 def _pqn_sample(w, pow2, seed, method, out_dtype, impl, fused):
