@@ -47,38 +47,58 @@ def copy_bandwidth(nbytes=4 << 30):
     return 2 * nbytes / (ms * 1e-3)
 
 
-def power_during(fn, seconds=2.0):
-    """Run fn back to back for `seconds` while nvidia-smi samples this GPU every 100 ms. Returns
-    dict(power_w=median board power in W, sm_mhz=median SM clock in MHz, power_cap_pct=% of
-    samples in which the software power cap held the clocks down, NVML reason 0x4), or None
-    where nvidia-smi or the device's PCI address is not available. Why: the memory-bound
-    optimizer steps run the H200 at its 700 W cap, so their time also depends on the energy
-    each step spends on arithmetic and data movement, not only on the bytes moved."""
-    import shutil, subprocess, time
+def power_during(fn, seconds=3.0, settle=1.0):
+    """Run fn back to back for `seconds` while nvidia-smi samples this GPU every 100 ms; the
+    samples of the first `settle` seconds are dropped (NVML's power reading averages over ~1 s).
+    Returns dict(power_w=median board power in W, sm_mhz=median SM clock in MHz,
+    power_cap_pct=% of samples in which the software power cap held the clocks down, NVML reason
+    0x4), or None (with a printed reason) where nvidia-smi, the device's PCI address or the
+    readings are not available. Why: the memory-bound 4-bit optimizer steps run the H200 at its
+    700 W cap, so their time also depends on the energy each step spends, not only on bytes."""
+    import shutil, subprocess, threading, time
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     if shutil.which("nvidia-smi") is None or not hasattr(props, "pci_bus_id"):
         return None
     bus = f"{getattr(props, 'pci_domain_id', 0):08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
     q = "power.draw,clocks.sm,clocks_throttle_reasons.active"
     mon = subprocess.Popen(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits", "-i", bus,
-                            "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples = []                               # (arrival time, line)
+    reader = threading.Thread(target=lambda: samples.extend((time.time(), ln) for ln in mon.stdout), daemon=True)
+    reader.start()
+    t_wait = time.time()
+    while not samples and mon.poll() is None and time.time() - t_wait < 5:
+        time.sleep(0.01)                       # nvidia-smi up (or failed) before the clock starts
     t0 = time.time()
-    while time.time() - t0 < seconds:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-    mon.terminate()
-    rows = []
-    for line in mon.communicate()[0].splitlines():
+    try:
+        while time.time() - t0 < seconds:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+    finally:
+        mon.terminate()
         try:
-            w, mhz, reasons = (x.strip() for x in line.split(","))
-            rows.append((float(w), float(mhz), int(reasons, 16)))
-        except ValueError:   # a header, an "[N/A]" or a cut-off last line
-            continue
-    if not rows:
+            mon.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            mon.kill()
+            mon.wait()
+        reader.join(timeout=5)
+    err = mon.stderr.read()
+    lines = [ln for t, ln in list(samples) if t >= t0 + settle]
+
+    def num(x, base=None):     # a field may read "[N/A]" or "[Not Supported]"
+        try:
+            return float(x) if base is None else int(x, base)
+        except ValueError:
+            return None
+    rows = [[num(f) for f in line.split(",")[:2]] + [num(line.split(",")[2].strip(), 16)]
+            for line in lines if line.count(",") == 2]
+    w, mhz, why = ([r[i] for r in rows if r[i] is not None] for i in range(3))
+    if not (w and mhz and why):
+        print(f"(power/clock readings not available: {(err or ''.join(ln for _, ln in samples[:1])).strip()[:200]!r})")
         return None
-    return dict(power_w=statistics.median(r[0] for r in rows), sm_mhz=statistics.median(r[1] for r in rows),
-                power_cap_pct=100 * sum(r[2] & 4 != 0 for r in rows) / len(rows))
+    return dict(power_w=statistics.median(w), sm_mhz=statistics.median(mhz),
+                power_cap_pct=100 * sum(r & 4 != 0 for r in why) / len(why))
 
 
 def gpt2_shapes():
@@ -147,11 +167,11 @@ def bench_optim(quick=False):
                 torch.cuda.synchronize()
                 ms = median_ms(opt.step, warmup=5 if "reference" in name else 25,
                                rep=20 if "reference" in name else 100)
+                pw = power_during(opt.step) if n > 2e8 else None   # a long case: enough samples
             except Exception as e:
                 print(f"  {case} {name}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
             state = trainer.optimizer_state_bytes(opt)
-            pw = power_during(opt.step) if n > 2e8 else None   # a long case: enough samples
             if name == "torch AdamW fused":
                 base = ms
             # bytes moved: param r+w (8), grad read, state r+w
@@ -169,7 +189,8 @@ def bench_optim(quick=False):
         pw = f" {r['power_w']:5.0f} {r['sm_mhz']:6.0f} {r['power_cap_pct']:5.0f}" if "power_w" in r else ""
         print(f"{r['case']:24s} {r['optimizer']:36s} {r['ms']:8.3f} {r['state_bytes_per_param']:8.4f} "
               f"{vs:>8s} {r['floor_ms']:9.3f} {r['pct_of_floor']:6.1f}%" + pw)
-    print("(W, SM MHz: medians of nvidia-smi samples over 2 s of back-to-back steps after the timing; "
+    print("(W, SM MHz: medians of nvidia-smi samples over 3 s of back-to-back steps after the timing, "
+          "the first second dropped; "
           "cap%: share of samples with the software power cap lowering the clocks)")
     return dict(copy_bandwidth_TBps=bw / 1e12, rows=rows)
 

@@ -1812,6 +1812,33 @@ def test_bench_memory_matches_the_arithmetic():
     assert by[("gaussws", "save", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] > 0.0
 
 
+def test_bench_power_during_parses_nvidia_smi(tmp_path, monkeypatch, capsys):
+    """power_during (optim table's W / SM MHz / cap% columns) against a fake nvidia-smi: it asks
+    for this device's PCI address, drops the samples of the settle time, reads "[N/A]" fields as
+    missing (not the whole sample), stops the sampler, and returns None with a message when
+    nothing is readable."""
+    import types
+    kept = ["600.0, 1980, 0x0000000000000000", "[N/A], 1700, 0x0000000000000004",
+            "700.0, 1600, 0x0000000000000004", "650.0, [N/A], [N/A]"]
+    fake = tmp_path / "nvidia-smi"     # 3 samples at once (the settle time: dropped), 4 later
+    fake.write_text("#!/bin/sh\necho \"$@\" > %s/args\nprintf '999.0, 100, 0x0\\n%%.0s' 1 2 3\n"
+                    "sleep 1\nprintf '%%s\\n' %s\nexec sleep 30\n"
+                    % (tmp_path, " ".join(f"'{x}'" for x in kept)))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x19, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    r = bench.power_during(lambda: calls.append(1), seconds=2.0, settle=0.5)
+    assert r == dict(power_w=650.0, sm_mhz=1700.0, power_cap_pct=200 / 3), r
+    assert calls and "-i 00000000:19:00.0" in (tmp_path / "args").read_text()
+    fake.write_text("#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n")
+    assert bench.power_during(lambda: None, seconds=0.05) is None
+    assert "No devices were found" in capsys.readouterr().out
+
+
 def test_bench_train_runs_every_method_on_cpu():
     import bench
     seen = []
