@@ -1830,10 +1830,10 @@ def test_bench_power_during_parses_nvidia_smi(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    calls = []
-    r = bench.power_during(lambda: calls.append(1), seconds=2.0, settle=0.5)
+    calls = [0]
+    r = bench.power_during(lambda: calls.__setitem__(0, calls[0] + 1), seconds=2.0, settle=0.5)
     assert r == dict(power_w=650.0, sm_mhz=1700.0, power_cap_pct=200 / 3), r
-    assert calls and "-i 00000000:19:00.0" in (tmp_path / "args").read_text()
+    assert calls[0] > 0 and "-i 00000000:19:00.0" in (tmp_path / "args").read_text()
     fake.write_text("#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n")
     assert bench.power_during(lambda: None, seconds=0.05) is None
     assert "No devices were found" in capsys.readouterr().out
