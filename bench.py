@@ -91,8 +91,8 @@ def power_during(fn, seconds=3.0, settle=1.0):
             return float(x) if base is None else int(x, base)
         except ValueError:
             return None
-    rows = [[num(f) for f in line.split(",")[:2]] + [num(line.split(",")[2].strip(), 16)]
-            for line in lines if line.count(",") == 2]
+    fields = [[x.strip() for x in line.split(",")] for line in lines]
+    rows = [(num(f[0]), num(f[1]), num(f[2], 16)) for f in fields if len(f) == 3]
     w, mhz, why = ([r[i] for r in rows if r[i] is not None] for i in range(3))
     if not (w and mhz and why):
         print(f"(power/clock readings not available: {(err or ''.join(ln for _, ln in samples[:1])).strip()[:200]!r})")
