@@ -722,16 +722,16 @@ def _kernel_tables(cfg):
     Tp = sqrt_rn(T_v) if cfg["v_rounding"].startswith("update") else T_v
     t = dict(m_dec=dec(T_m), v_dec=dec(T_v), v_cb=T_v,
              m_pair=_pair_bits(T_m[:-1], T_m[1:]), v_pair=_pair_bits(Tp[:-1], Tp[1:]))
-    try:
-        t["m_lut_rtn"] = _bucket_lut(_midpoints(T_m))
-        if cfg["m_rounding"] == "sr" or cfg["lm_head_sr_after"] is not None:
-            t["m_lut_sr"] = _bucket_lut(T_m[1:-1])
-    except ValueError as e:
-        raise ValueError(f"m_codebook {cfg['m_codebook']!r}: {e}") from None
-    try:
-        t["v_lut"] = _bucket_lut(_midpoints(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
-    except ValueError as e:
-        raise ValueError(f"v_codebook {cfg['v_codebook']!r}: {e}") from None
+    def lut(moment, bounds):   # a too-dense codebook's error names it
+        try:
+            return _bucket_lut(bounds)
+        except ValueError as e:
+            raise ValueError(f"{moment}_codebook {cfg[moment + '_codebook']!r}: {e}") from None
+
+    t["m_lut_rtn"] = lut("m", _midpoints(T_m))
+    if cfg["m_rounding"] == "sr" or cfg["lm_head_sr_after"] is not None:
+        t["m_lut_sr"] = lut("m", T_m[1:-1])
+    t["v_lut"] = lut("v", _midpoints(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
     return t
 
 

@@ -2346,7 +2346,7 @@ def test_bucket_lut_equals_searchsorted():
     sizes = set()
     for name in CODEBOOKS:
         T = get_codebook(name)
-        for bounds in ((T[:-1] + T[1:]) / 2, T[1:-1]):
+        for bounds in (A._midpoints(T), T[1:-1]):
             for lut in (A._bucket_lut(bounds), A._bucket_lut(bounds, A.LUT_BUCKETS[-1])):
                 n = lut.numel() - 1
                 sizes.add(n)
