@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from codebooks import get_codebook
+from philox import philox
 
 # --------------------------------------------------------------------------------------------
 # block quantizer (reference)
@@ -779,24 +780,6 @@ def _absmax(x0, x1):
 
 
 @triton.jit
-def _philox(seed, c0, c1, c2, c3, n_rounds: tl.constexpr):
-    # tl.philox (Philox4x32, uint32 counters, seed < 2^32) with each 32x32-bit product taken
-    # as one 64-bit multiply (one IMAD.WIDE instead of separate high and low halves)
-    k0 = seed.to(tl.uint32)
-    k1 = k0 * 0
-    for _ in tl.static_range(n_rounds):
-        pb = c2.to(tl.uint64) * 0xCD9E8D57
-        pa = c0.to(tl.uint64) * 0xD2511F53
-        c0 = (pb >> 32).to(tl.uint32) ^ c1 ^ k0
-        c2 = (pa >> 32).to(tl.uint32) ^ c3 ^ k1
-        c1 = pb.to(tl.uint32)
-        c3 = pa.to(tl.uint32)
-        k0 += 0x9E3779B9
-        k1 += 0xBB67AE85
-    return c0, c1, c2, c3
-
-
-@triton.jit
 def _uniforms(seed, byte, stream):
     # SR uniforms for two consecutive tiles: Philox4x32 with 7 rounds (Random123's
     # crush-resistant minimum; default 10) at counter (byte index in the first tile with bit 5
@@ -807,7 +790,8 @@ def _uniforms(seed, byte, stream):
     h = ((byte >> 5) & 1).to(tl.uint32) * 16
     c = (byte >> 6) * 32 + (byte & 31)
     lo = c.to(tl.uint32)
-    q0, q1, q2, q3 = _philox(seed, lo, (c >> 32).to(tl.uint32), lo * 0 + stream, lo * 0, 7)
+    k0 = seed.to(tl.uint32)
+    q0, q1, q2, q3 = philox(lo, (c >> 32).to(tl.uint32), lo * 0 + stream, lo * 0, k0, k0 * 0, 7)
     s = 1.52587890625e-05   # 2^-16
     return (tl.fma(((q0 >> h) & 0xFFFF).to(tl.float32), s, 0.5 * s),
             tl.fma(((q1 >> h) & 0xFFFF).to(tl.float32), s, 0.5 * s),

@@ -70,6 +70,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from philox import philox, philox_torch
+
 TILE = 32  # b_l of eq. 3: square tile side (MX-style block of §2.1; 32×32 units in §3.6)
 
 # eq. 10: exact law of R for method "gaussws"
@@ -102,8 +104,6 @@ CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4,
               fused_bt=4, fused_warps=4)
 
 _M32 = 0xFFFFFFFF
-_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
-_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,32 +197,14 @@ def _resolve_impl(impl, t):
 
 
 # ----------------------------------------------------------------------------------------------
-# plain-PyTorch reference: Philox4x32-10 on int64 tensors holding uint32 values
-
-def _mulhilo(a, mult):
-    """(hi, lo) 32-bit halves of a·mult for uint32 a (int64 tensor) without int64 overflow."""
-    mh, ml = mult >> 16, mult & 0xFFFF
-    lo_p, hi_p = a * ml, a * mh                     # both < 2^48
-    t = lo_p + ((hi_p & 0xFFFF) << 16)              # < 2^49
-    return ((hi_p >> 16) + (t >> 32)) & _M32, t & _M32
-
-
-def _philox_torch(c0, c1, c2, c3, k0, k1, rounds=10):
-    """Philox4x32 (Salmon et al. 2011), the same rounds as Triton's tl.randint4x."""
-    for _ in range(rounds):
-        hi0, lo0 = _mulhilo(c0, _PHILOX_M0)
-        hi1, lo1 = _mulhilo(c2, _PHILOX_M1)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0, k1 = (k0 + _PHILOX_W0) & _M32, (k1 + _PHILOX_W1) & _M32
-    return c0, c1, c2, c3
-
+# plain-PyTorch reference (Philox4x32-10 from philox.py)
 
 def _philox_words_torch(seed, idx):
     """4 random uint32 words (int64 tensors) for counters idx (int64) under seed=[key, counter]."""
     key, ctr = seed[0], seed[1]
     z = torch.zeros_like(idx)
-    return _philox_torch(idx & _M32, (idx >> 32) & _M32, z + (ctr & _M32), z + ((ctr >> 32) & _M32),
-                         key & _M32, (key >> 32) & _M32)
+    return philox_torch(idx & _M32, (idx >> 32) & _M32, z + (ctr & _M32), z + ((ctr >> 32) & _M32),
+                        key & _M32, (key >> 32) & _M32)
 
 
 def _recipe_torch(r0, r1, r2, r3):
@@ -351,24 +333,6 @@ def _grad_torch(g, noise, tmax, method, w_dtype):
 # Triton kernels
 
 @triton.jit
-def _philox(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 on uint32 blocks (same rounds as tl.randint4x and `_philox_torch`)."""
-    M0: tl.constexpr = 0xD2511F53
-    M1: tl.constexpr = 0xCD9E8D57
-    W0: tl.constexpr = 0x9E3779B9
-    W1: tl.constexpr = 0xBB67AE85
-    for _ in tl.static_range(10):
-        _c0, _c2 = c0, c2
-        c0 = tl.umulhi(_c2, M1) ^ c1 ^ k0
-        c2 = tl.umulhi(_c0, M0) ^ c3 ^ k1
-        c1 = _c2 * M1
-        c3 = _c0 * M0
-        k0 = k0 + W0
-        k1 = k1 + W1
-    return c0, c1, c2, c3
-
-
-@triton.jit
 def _philox_words(seed_ptr, p):
     """4 uint32 words for int32 counters p (word index) under seed = [key, counter] at seed_ptr."""
     key = tl.load(seed_ptr)
@@ -379,7 +343,7 @@ def _philox_words(seed_ptr, p):
     z = c0 * 0
     c2 = z + (ctr & 0xFFFFFFFF).to(tl.uint32)
     c3 = z + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    return _philox(c0, z, c2, c3, k0, k1)
+    return philox(c0, z, c2, c3, k0, k1, 10)
 
 
 @triton.jit

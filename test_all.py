@@ -32,6 +32,7 @@ import adam4bit as A
 import bench
 import data as datamod
 import gaussws as g
+import philox
 import train
 from codebooks import CODEBOOKS, NF4, dynamic_map, get_codebook
 from model import GPT, PRESETS, preset_config
@@ -676,13 +677,14 @@ def test_kernel_nan_gradient_matches_reference(preset, kw):
 
 
 def test_kernel_philox_equals_triton_philox():
-    """The kernel's Philox (64-bit products) gives tl.philox's words, bit for bit."""
+    """philox.philox (64-bit products) gives tl.philox's words, bit for bit."""
     @triton.jit
     def both(seed, out):
         i = tl.arange(0, 256).to(tl.uint32)
         c0 = i * 40503 + 12345
         c1 = i ^ 1234567
-        a = A._philox(seed, c0, c1, c0 * 0 + 3, c0 * 0, 7)
+        k0 = seed.to(tl.uint32)
+        a = philox.philox(c0, c1, c0 * 0 + 3, c0 * 0, k0, k0 * 0, 7)
         b = tl.philox(seed, c0, c1, c0 * 0 + 3, c0 * 0, n_rounds=7)
         for k in tl.static_range(4):
             tl.store(out + k * 256 + i, a[k].to(tl.int32, bitcast=True))
@@ -712,7 +714,7 @@ def test_kernel_sr_uniforms_are_16_bit_halves_of_philox():
         b = base + torch.arange(256, dtype=torch.int64)
         c = (b >> 6) * 32 + (b & 31)
         z = torch.zeros_like(c)
-        words = g._philox_torch(c & M, c >> 32, z + stream, z, z + seed, z, rounds=7)
+        words = philox.philox_torch(c & M, c >> 32, z + stream, z, z + seed, z, rounds=7)
         h = ((b >> 5) & 1) * 16
         want = torch.stack([(((w >> h) & 0xFFFF).double() + 0.5) / 65536 for w in words]).float()
         assert torch.equal(out, want)
@@ -857,7 +859,7 @@ def test_philox_known_answers():
              ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0),
               (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
     for inp, want in cases:
-        assert [int(x) for x in g._philox_torch(*map(t, inp))] == list(want)
+        assert [int(x) for x in philox.philox_torch(*map(t, inp))] == list(want)
 
 
 def test_philox_matches_triton_randint4x():
