@@ -62,7 +62,7 @@ class ByteTokenizer:
 
 class GPT2Tokenizer:
     """tiktoken's "gpt2" BPE (50257 tokens, <|endoftext|> = 50256). A literal "<|endoftext|>" in
-    the text (document separators in ../shared/data) is encoded as the special token."""
+    the text (a corpus's document separator) is encoded as the special token."""
     name = "gpt2"
 
     def __init__(self):
@@ -250,7 +250,7 @@ def _remote_docs(dataset, max_tokens, tok):
     except ImportError:
         raise RuntimeError(f"--dataset {dataset} needs the `datasets` package (pip install datasets) and "
                            f"internet access; offline, use --dataset stdlib or a local file/folder "
-                           f"(e.g. ../shared/data/tinyshakespeare)") from None
+                           f"(e.g. a folder of .txt files)") from None
     spec = {"openwebtext": ("Skylion007/openwebtext", None),
             "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
             "c4": ("allenai/c4", "en")}[dataset]
@@ -270,7 +270,7 @@ def _remote_docs(dataset, max_tokens, tok):
     except Exception as e:
         raise RuntimeError(f"could not stream --dataset {dataset} from the HF hub ({type(e).__name__}: "
                            f"{str(e)[:200]}). Offline? Use --dataset stdlib or a local file/folder "
-                           f"(e.g. ../shared/data/tinyshakespeare).") from None
+                           f"(e.g. a folder of .txt files).") from None
     return train, val
 
 
@@ -280,7 +280,7 @@ def _download_shakespeare():
             return r.read().decode("utf-8")
     except Exception as e:
         raise RuntimeError(f"could not download tiny-shakespeare from {SHAKESPEARE_URL} ({type(e).__name__}: "
-                           f"{e}). Offline? Use a local copy, e.g. --dataset ../shared/data/tinyshakespeare, "
+                           f"{e}). Offline? Use a local copy, e.g. --dataset path/to/input.txt, "
                            f"or --dataset stdlib.") from None
 
 

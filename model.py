@@ -8,10 +8,11 @@ models of papers A and B, chosen by GPTConfig fields.
 - embeddings tied (GPT-2) or untied (papers' GPT-style and Llama-style)
 - grouped-query attention with n_kv_head key/value heads, F.scaled_dot_product_attention
 
-The linear layers of a block are named exactly as SPEC.md's "parts" so gaussws.apply_pqt finds
+The linear layers of a block are named after the papers' "parts" so gaussws.apply_pqt finds
 them by name: block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down for GPT-style models
 (fused q/k/v projection), block.attn.q/k/v/out, block.mlp.gate/up/down for Llama-style ones.
-The LM head is model.lm_head and is never replaced by PQT (SPEC "Where applied").
+The LM head is model.lm_head and is never replaced by PQT (paper A applies PQT to the block
+linears only).
 """
 
 import math
@@ -58,7 +59,7 @@ class GPTConfig:
 
     @property
     def parts(self):
-        """Names of the PQT-replaceable linear layers of one block (SPEC 'Where applied')."""
+        """Names of the PQT-replaceable linear layers of one block (paper A's "method[part]" names)."""
         attn = ["q", "k", "v", "out"] if self.split_qkv else ["qkv", "out"]
         mlp = ["gate", "up", "down"] if self.mlp == "swiglu" else ["up", "down"]
         return attn + mlp
