@@ -4,12 +4,15 @@ Train a GPT with optional pseudo-quantization training (GaussWS / DiffQ, paper A
 
     python train.py                                     # CPU-sized defaults on CPU, GPT-2 124M on CUDA
     python train.py --method gaussws --optim zipsr      # the papers' combination
+    python train.py --preset nano --max_iters 30 --device cpu   # a smoke run in seconds
+    python train.py --stop_after 100                    # stop with a checkpoint, then
+    python train.py --resume                            # go on from OUT_DIR/ckpt.pt
     torchrun --standalone --nproc_per_node 2 train.py --preset gpt2-124m   # several GPUs (DDP)
 
 Defaults marked 'auto' depend on the device: on CPU a tiny byte-level model for a few hundred
-steps (minutes on 2 cores), on CUDA GPT-2 124M with the GPT-2 tokenizer, BF16 autocast and
-torch.compile. Everything is written to --out_dir: ckpt.pt (atomic), log.jsonl (one JSON object
-per step and per eval, plus a summary), loss.png (when matplotlib is installed).
+steps (minutes), on CUDA GPT-2 124M with the GPT-2 tokenizer, BF16 autocast and torch.compile.
+Everything is written to --out_dir: ckpt.pt (atomic), log.jsonl (one JSON object per step and per
+eval, plus a summary), loss.png (when matplotlib is installed).
 """
 
 import argparse
@@ -19,13 +22,18 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
+import adam4bit
 import data as datamod
+import gaussws
+from codebooks import CODEBOOKS
 from model import GPT, PRESETS, describe, preset_config
 
 METHODS = ("bf16", "gaussws", "diffq")
@@ -35,9 +43,10 @@ SCHEDULES = ("wsd", "cosine", "constant")
 CKPT_FORMAT = "gaussws-adam4bit-train-v1"
 # Peak learning rates: paper B Table 7 where it has the size, nanoGPT's 6e-4 for GPT-2 124M,
 # and a larger rate for the CPU-sized models (few hundred steps).
-DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "mini": 2e-3, "tiny-llama": 2e-3, "gpt2-124m": 6e-4, "gpt-162m": 1e-3,
-              "gpt-405m": 6e-4, "gpt-834m": 6e-4, "llama-130m": 2e-3, "llama-134m": 2e-3,
-              "llama-1b": 3e-4, "llama-3b": 1.5e-4, "llama-70b-4l": 1e-4}
+DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "mini": 2e-3,
+              "tiny-llama": 2e-3, "gpt2-124m": 6e-4, "gpt-162m": 1e-3, "gpt-405m": 6e-4,
+              "gpt-834m": 6e-4, "llama-130m": 2e-3, "llama-134m": 2e-3, "llama-1b": 3e-4,
+              "llama-3b": 1.5e-4, "llama-70b-4l": 1e-4}
 # Run settings that may differ between a checkpoint and the run resuming it (they do not change
 # what is trained); every other setting must match.
 RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "compile_mode", "eval_interval", "eval_windows", "device",
@@ -47,6 +56,14 @@ RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "compile_mode", "ev
 class RunError(Exception):
     """A run that cannot go on: diverged loss, unreadable or mismatched checkpoint."""
 
+
+def say(*a):
+    """print on rank 0 only (torchrun sets RANK)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*a)
+
+
+# ----------------------------------------------------------------------------- flags
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line (no usage dump) and exits with status 2."""
@@ -86,12 +103,10 @@ def build_parser():
     g = p.add_argument_group("optimizer and schedule")
     g.add_argument("--optim", default="adamw", choices=OPTIMS,
                    help="adamw = torch AdamW (fused on CUDA); fp32/torchao/zipsr/zeeden = adam4bit presets")
-    from adam4bit import V_ROUNDINGS
-    from codebooks import CODEBOOKS
     g.add_argument("--v_codebook", default=None, choices=tuple(CODEBOOKS),
                    help="4-bit presets only: second-moment codebook instead of the preset's (e.g. dyn4 with "
                         "--v_rounding state-rtn: the zero-point failure of paper B Figure 1)")
-    g.add_argument("--v_rounding", default=None, choices=V_ROUNDINGS,
+    g.add_argument("--v_rounding", default=None, choices=adam4bit.V_ROUNDINGS,
                    help="4-bit presets only: second-moment rounding rule instead of the preset's (paper B App. A.2)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate; default per preset (paper B Table 7)")
     g.add_argument("--schedule", default="wsd", choices=SCHEDULES, help="WSD: warmup, constant, 1-sqrt(u) cooldown")
@@ -133,6 +148,18 @@ def build_parser():
     g.add_argument("--plot", default=True, action=argparse.BooleanOptionalAction,
                    help="write loss.png at the end (needs matplotlib)")
     return p
+
+
+def parse_args(argv=None):
+    """(parser, args) from argv (None = sys.argv[1:]) with --device checked; resolve_args fills
+    the device-dependent defaults once the device is known."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (args.device in ("auto", "cpu") or args.device.startswith("cuda")):
+        parser.error(f"--device {args.device!r}: allowed: auto, cpu, cuda, cuda:N")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available here; allowed: auto, cpu")
+    return parser, args
 
 
 def check_range(parser, name, value, lo=-math.inf, hi=math.inf, lo_in=True, hi_in=True):
@@ -191,9 +218,8 @@ def resolve_args(args, parser, cuda):
         parser.error(f"--warmup_frac {args.warmup_frac:g} + --cooldown_frac {args.cooldown_frac:g} > 1: "
                      f"warmup and cooldown must fit in the run")
     check_optimizer_flags(parser, args)
-    from gaussws import B_MAX, B_MIN
     for name in ("b_init", "b_target"):  # GaussWSLinear's range
-        check_range(parser, name, getattr(args, name), lo=B_MIN, hi=B_MAX)
+        check_range(parser, name, getattr(args, name), lo=gaussws.B_MIN, hi=gaussws.B_MAX)
     if args.b_target > args.b_init:
         parser.error(f"--b_target {args.b_target} > --b_init {args.b_init}: need b_target <= b_init (paper A eq. 11)")
     allowed = preset_config(args.preset).parts
@@ -209,6 +235,252 @@ def resolve_args(args, parser, cuda):
     return args
 
 
+def optimizer_overrides(args):
+    """AdamW4bit component overrides given on the command line ({} when none): v_codebook,
+    v_rounding (None = the preset's, so they are not passed)."""
+    return {k: getattr(args, k, None) for k in ("v_codebook", "v_rounding") if getattr(args, k, None) is not None}
+
+
+def check_optimizer_flags(parser, args):
+    """parser.error (one line) when --v_codebook/--v_rounding are given with an optimizer that is
+    not an AdamW4bit preset, or form a combination AdamW4bit refuses (e.g. an update-space rule on
+    a signed codebook, or a 4-bit v with the fp32 preset's FP32 m): the optimizer is built on a
+    dummy parameter here, before any data or model."""
+    over = optimizer_overrides(args)
+    if not over:
+        return
+    flags = " ".join(f"--{k} {v}" for k, v in over.items())
+    fourbit = [o for o in FOURBIT if o != "fp32"]
+    if args.optim not in fourbit:
+        parser.error(f"{flags}: only for the 4-bit AdamW presets (--optim {'|'.join(fourbit)}), "
+                     f"not --optim {args.optim}")
+    try:
+        adam4bit.AdamW4bit([torch.nn.Parameter(torch.zeros(1))], preset=args.optim, **over)
+    except (ValueError, TypeError) as e:
+        parser.error(f"{flags} with --optim {args.optim}: {e}")
+
+
+# ----------------------------------------------------------------------------- setup
+
+@dataclass
+class Process:
+    """This process: one of `world` under torchrun (ddp), or the only one; and its device."""
+    ddp: bool
+    rank: int
+    world: int
+    device: str
+
+    @property
+    def device_type(self):
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+
+def setup_distributed(args):
+    """Process for this run. Under torchrun (RANK set) joins the process group: NCCL on CUDA,
+    gloo on CPU."""
+    if int(os.environ.get("RANK", -1)) == -1:
+        dev = args.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return Process(ddp=False, rank=0, world=1, device=dev)
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    use_cuda = args.device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        dev = f"cuda:{local_rank}"
+        torch.cuda.set_device(dev)
+    else:
+        dev = "cpu"
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return Process(ddp=True, rank=rank, world=world, device=dev)
+
+
+def setup_data(args, proc):
+    """datamod.Batches of --dataset (rank 0 prepares it, the others wait), checked to hold a
+    micro-batch and the eval windows; fills --eval_windows 'auto'."""
+    folder = None
+    if proc.master:
+        try:
+            folder = datamod.prepare(args.dataset, args.tokenizer, data_dir=args.data_dir, max_tokens=args.max_tokens)
+        except (RuntimeError, ValueError, OSError) as e:  # offline download, empty corpus, ...
+            raise RunError(str(e)) from None
+    if proc.ddp:
+        obj = [folder]
+        dist.broadcast_object_list(obj, src=0)
+        folder = obj[0]
+    batches = datamod.Batches(folder, args.block_size, seed=args.seed)
+    n_train, n_val = batches.n["train"], batches.n["val"]
+    if n_train < args.block_size + 1 or n_val < args.block_size + 1:
+        raise RunError(f"--block_size {args.block_size}: {folder} has only {n_train} train / "
+                       f"{n_val} val tokens; use a shorter --block_size or more data")
+    if args.batch_size * args.block_size > n_train:
+        raise RunError(f"--batch_size {args.batch_size} x --block_size {args.block_size} = "
+                       f"{args.batch_size * args.block_size} tokens per micro-batch is more than the "
+                       f"{n_train} training tokens in {folder}; use a smaller --batch_size")
+    fit = (n_val - 1) // args.block_size  # validation windows that do not overlap
+    default = 256 if proc.device_type == "cuda" else 64
+    if args.eval_windows is None:
+        args.eval_windows = min(default, fit)
+        if args.eval_windows < default:
+            say(f"eval on {fit} windows: all that fit in the val split of {folder} without overlap")
+    elif args.eval_windows > fit:
+        raise RunError(f"--eval_windows {args.eval_windows}: the val split of {folder} holds at most {fit} "
+                       f"non-overlapping windows of {args.block_size} tokens; use --eval_windows <= {fit}")
+    return batches
+
+
+def setup_model(args, proc, batches):
+    """(model, replaced): the GPT of --preset on the device, with PQT (gaussws.apply_pqt) on the
+    --parts layers unless --method bf16 (replaced: their names). Sets --max_iters from
+    --tokens_per_param, which needs the parameter count."""
+    vocab = batches.meta["vocab_size"]
+    if vocab > 256:  # GPT-2's 50257 -> 50304: a multiple of 64 runs faster
+        vocab = -(-vocab // 64) * 64
+    cfg = preset_config(args.preset, vocab_size=vocab, block_size=args.block_size)
+    model = GPT(cfg).to(proc.device)
+    replaced = []
+    if args.method != "bf16":
+        replaced = gaussws.apply_pqt(model, method=args.method, parts=args.parts, b_init=args.b_init,
+                                     b_target=args.b_target, seed=args.seed, memory=args.pqt_memory)
+    if args.tokens_per_param is not None:
+        args.max_iters = max(1, math.ceil(args.tokens_per_param * model.num_params() / tokens_per_step(args)))
+        if args.stop_after is not None and args.stop_after > args.max_iters:
+            raise RunError(f"--stop_after {args.stop_after}: must be <= max_iters {args.max_iters} "
+                           f"(from --tokens_per_param {args.tokens_per_param:g})")
+    return model, replaced
+
+
+def tokens_per_step(args):
+    return args.batch_size * args.block_size * args.grad_accum
+
+
+def end_iter(args):
+    """The step this run stops at: --stop_after when given, else --max_iters."""
+    return min(args.max_iters, args.stop_after) if args.stop_after else args.max_iters
+
+
+def say_setup(args, proc, batches, model, replaced):
+    meta, n_params = batches.meta, model.num_params()
+    say(f"device {proc.device} x{proc.world}, dtype {args.dtype}, compile {args.compile}")
+    say(f"data {batches.folder}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"
+        + (f" (capped at {meta['max_tokens']:,})" if meta.get("max_tokens") else "")
+        + f", tokenizer {meta['tokenizer']} ({meta['source']})")
+    note = ""
+    if args.preset.startswith("llama"):
+        note = " (the papers count Llama sizes with a 32000-token vocabulary; this vocabulary changes the count)"
+    say(f"model {args.preset}: {describe(model.config)}; {n_params:,} parameters = {n_params / 1e6:.2f}M{note}")
+    if replaced:
+        say(f"PQT {args.method}[{args.parts}] on {len(replaced)} linear layers, "
+            f"{sum(p.numel() for p in bits_params(model)):,} tiles (b_i), b_init {args.b_init}, b_target {args.b_target}")
+
+
+def say_optimizer(args, model):
+    overrides = "".join(f" --{k} {v}" for k, v in optimizer_overrides(args).items())
+    n = tokens_per_step(args)
+    say(f"optimizer {args.optim}{overrides}, lr {args.lr:g} ({args.schedule}), {args.max_iters} steps of "
+        f"{n:,} tokens ({args.batch_size} x {args.block_size} x {args.grad_accum}), "
+        f"{args.max_iters * n / max(model.num_params(), 1):.2f} tokens/param")
+
+
+def param_groups(model, weight_decay, bits_wd):
+    """AdamW groups: matrices/embeddings with weight decay, vectors (norms, biases) without, and the
+    PQT bitwidth parameters b_i in their own group with weight decay bits_wd (paper A eqs. 11-12:
+    decay on b_i pulls b_t toward b_target)."""
+    decay, no_decay, bits = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name.endswith("b_i"):
+            bits.append(p)
+        elif p.dim() >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+              {"params": bits, "weight_decay": bits_wd, "name": "b_i"}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(args, model, device_type):
+    """The optimizer named by --optim. 4-bit presets are told which parameter is the LM head (its
+    first moment switches RTN -> SR for the last 10 % of training, paper B section 4); with tied
+    embeddings that parameter is the token embedding. --v_codebook / --v_rounding, when given,
+    replace the preset's second-moment codebook / rounding rule (checked by check_optimizer_flags)."""
+    betas = (args.beta1, args.beta2)
+    groups = param_groups(model, args.weight_decay, args.bits_wd)
+    if args.optim == "adamw":
+        return torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=args.eps, fused=device_type == "cuda")
+    if args.optim in FOURBIT:
+        opt = adam4bit.AdamW4bit(groups, lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay,
+                                 preset=args.optim, seed=args.seed, **optimizer_overrides(args))
+        opt.mark_lm_head(model.lm_head.weight)
+        return opt
+    if args.optim == "adam-mini":
+        try:
+            from adam_mini import Adam_mini
+        except ImportError:
+            raise RunError("--optim adam-mini needs the adam-mini package (pip install adam-mini)") from None
+        c = model.config
+        opt = Adam_mini(named_parameters=model.named_parameters(), lr=args.lr, betas=betas, eps=args.eps,
+                        weight_decay=args.weight_decay, dim=c.n_embd, n_heads=c.n_head, n_kv_heads=c.n_kv_head)
+        # tell Adam-mini our layer names (its defaults follow HF/Llama naming)
+        for attr, names in (("wqk_names", {"attn.q.weight", "attn.k.weight"}), ("wv_names", {"attn.v.weight"}),
+                            ("embd_names", {"wte"}), ("output_names", {"lm_head"})):
+            if isinstance(getattr(opt, attr, None), set):
+                getattr(opt, attr).update(names)
+        return opt
+    raise ValueError(f"optim={args.optim!r}; allowed: {', '.join(OPTIMS)}")
+
+
+def run_config(args):
+    return {k: v for k, v in sorted(vars(args).items())}
+
+
+def check_resume_config(saved, current, path):
+    """RunError listing the flags whose values differ between the checkpoint and this run."""
+    keys = sorted((set(saved) | set(current)) - RESUME_FREE)
+    diff = [f"--{k} {saved.get(k)!r} (checkpoint) vs {current.get(k)!r} (now)"
+            for k in keys if saved.get(k) != current.get(k)]
+    if diff:
+        raise RunError(f"--resume: {path} was written by a different configuration: {'; '.join(diff)}. "
+                       f"Use the same flags, or a new --out_dir to start over.")
+
+
+def resume_path(args):
+    return os.path.join(args.out_dir, "ckpt.pt") if args.resume == "auto" else args.resume
+
+
+def resume_is_done(args, ckpt):
+    """True (with a message) when the checkpoint is already at the step this run would stop at.
+    RunError when it was written with other flags (checked once --max_iters is known: it is part
+    of the configuration)."""
+    check_resume_config(ckpt["config"], run_config(args), resume_path(args))
+    if ckpt["iter_num"] < end_iter(args):
+        return False
+    finished = ckpt["iter_num"] >= args.max_iters
+    say(f"--resume: {resume_path(args)} is at step {ckpt['iter_num']} of {args.max_iters}, "
+        + ("the run is finished" if finished else f"already at --stop_after {args.stop_after}")
+        + f"; nothing to do ({os.path.join(args.out_dir, 'log.jsonl')} is left as it is). "
+        + ("Use a new --out_dir to train again." if finished else "Raise or drop --stop_after to go on."))
+    return True
+
+
+def resume(args, ckpt, model, optimizer, device_type):
+    """Load model, optimizer and RNG state from the checkpoint; (start_iter, best_val_loss). The
+    data order needs no state: it is a pure function of (seed, step, micro-batch)."""
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if device_type == "cuda" and ckpt["rng"].get("cuda") is not None:
+        torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    say(f"resumed from {resume_path(args)} at step {ckpt['iter_num']}")
+    return ckpt["iter_num"], ckpt["best_val_loss"]
+
+
 # ----------------------------------------------------------------------------- schedule
 
 def get_lr(it, max_iters, lr, schedule="wsd", warmup_frac=0.1, cooldown_frac=0.1, min_lr_frac=0.1):
@@ -218,7 +490,7 @@ def get_lr(it, max_iters, lr, schedule="wsd", warmup_frac=0.1, cooldown_frac=0.1
     (lr * (it + 1) / W). Then
       wsd:      constant lr, and over the last D = round(cooldown_frac * max_iters) updates the
                 multiplier 1 - sqrt(u), u = (it - (max_iters - D)) / D in [0, 1): the first cooldown
-                update uses the peak, the value reaches 0 at it = max_iters (SPEC, paper B App. B)
+                update uses the peak, the value reaches 0 at it = max_iters (paper B App. B)
       cosine:   half-cosine from lr down to min_lr_frac * lr at it = max_iters
       constant: lr
     """
@@ -241,84 +513,124 @@ def get_lr(it, max_iters, lr, schedule="wsd", warmup_frac=0.1, cooldown_frac=0.1
     raise ValueError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
 
 
-# ----------------------------------------------------------------------------- optimizer
+# ----------------------------------------------------------------------------- training loop
 
-def param_groups(model, weight_decay, bits_wd):
-    """AdamW groups: matrices/embeddings with weight decay, vectors (norms, biases) without, and the
-    PQT bitwidth parameters b_i in their own group with weight decay bits_wd (paper A eqs. 11-12:
-    decay on b_i pulls b_t toward b_target)."""
-    decay, no_decay, bits = [], [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name.endswith("b_i"):
-            bits.append(p)
-        elif p.dim() >= 2:
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-              {"params": bits, "weight_decay": bits_wd, "name": "b_i"}]
-    return [g for g in groups if g["params"]]
-
-
-def optimizer_overrides(args):
-    """AdamW4bit component overrides given on the command line ({} when none): v_codebook,
-    v_rounding (None = the preset's, so they are not passed)."""
-    return {k: getattr(args, k, None) for k in ("v_codebook", "v_rounding") if getattr(args, k, None) is not None}
-
-
-def check_optimizer_flags(parser, args):
-    """parser.error (one line) when --v_codebook/--v_rounding are given with an optimizer that is
-    not an AdamW4bit preset, or form a combination AdamW4bit refuses (e.g. an update-space rule on
-    a signed codebook, or a 4-bit v with the fp32 preset's FP32 m): the optimizer is built on a
-    dummy parameter here, before any data or model."""
-    over = optimizer_overrides(args)
-    if not over:
-        return
-    flags = " ".join(f"--{k} {v}" for k, v in over.items())
-    fourbit = [o for o in FOURBIT if o != "fp32"]
-    if args.optim not in fourbit:
-        parser.error(f"{flags}: only for the 4-bit AdamW presets (--optim {'|'.join(fourbit)}), "
-                     f"not --optim {args.optim}")
-    from adam4bit import AdamW4bit
+def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf):
+    """Train `model` from step start_iter to the --max_iters schedule's end (or --stop_after),
+    with an eval and a checkpoint every --eval_interval steps and at the end. Returns the summary
+    (also the last record of log.jsonl)."""
+    raw_model = model  # for eval, clipping, the penalty and the checkpoint
+    if args.compile:
+        model = torch.compile(model, mode=args.compile_mode)
+    graphs = args.compile and "reduce-overhead" in args.compile_mode
+    if proc.ddp:  # buffers (GaussWS seed state) advance identically on every rank: no broadcast needed
+        model = DDP(model, device_ids=[torch.device(proc.device).index] if proc.device_type == "cuda" else None,
+                    broadcast_buffers=False)
+    pt_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    ctx = (torch.autocast(device_type=proc.device_type, dtype=pt_dtype) if pt_dtype != torch.float32
+           else contextlib.nullcontext())
+    bits = bits_params(raw_model)
+    penalty = bool(args.bits_lambda) and bool(bits)
+    accum = args.grad_accum // proc.world  # micro-batches per step on this rank
+    stop = end_iter(args)
+    log = RunLog(args, proc, start_iter, best_val)
+    it = start_iter
     try:
-        AdamW4bit([torch.nn.Parameter(torch.zeros(1))], preset=args.optim, **over)
-    except (ValueError, TypeError) as e:
-        parser.error(f"{flags} with --optim {args.optim}: {e}")
+        while True:
+            # eval and checkpoint (not again at the step we resumed at: done before saving)
+            at_end = it >= stop
+            if (it % args.eval_interval == 0 or at_end) and not (args.resume and it == start_iter):
+                log.flush()
+                if args.eval_windows > 0:
+                    val = evaluate(raw_model, batches, args.eval_windows, args.batch_size, ctx, proc.device,
+                                   proc.rank, proc.world, proc.ddp)
+                    log.eval(it, val, gaussws.bitwidth_stats(raw_model) if bits else None)
+                if it > start_iter or at_end:
+                    log.checkpoint(it, raw_model, optimizer)
+                log.t_ref = time.time()  # eval and checkpoint time is not step time
+            if at_end:
+                break
+            # one optimizer step
+            lr = get_lr(it, args.max_iters, args.lr, args.schedule, args.warmup_frac,
+                        args.cooldown_frac, args.min_lr_frac)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            if hasattr(optimizer, "set_progress"):  # AdamW4bit: LM-head m switches to SR near the end
+                optimizer.set_progress(it / args.max_iters)
+            loss_sum = torch.zeros((), device=proc.device)
+            for micro in range(accum):
+                x, y = batches.train_batch(args.batch_size, it, proc.rank * accum + micro)
+                if proc.device_type == "cuda":
+                    x = x.pin_memory().to(proc.device, non_blocking=True)
+                    y = y.pin_memory().to(proc.device, non_blocking=True)
+                if proc.ddp:  # all-reduce gradients only on the last micro-step (set before forward)
+                    model.require_backward_grad_sync = micro == accum - 1
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                with ctx:
+                    _, loss = model(x, y)
+                    total = (loss + args.bits_lambda * gaussws.bitwidth_penalty(raw_model)) if penalty else loss
+                (total / accum).backward()
+                loss_sum += loss.detach()
+            if proc.ddp:
+                dist.all_reduce(loss_sum)  # SUM (gloo has no AVG); divided by world below
+            gnorm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
+                                                   args.grad_clip if args.grad_clip > 0 else float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stats = [loss_sum / (accum * proc.world), gnorm.float()]
+            if bits:
+                stats.append(mean_bt(bits, args.b_init, args.b_target))
+            log.step(it, lr, torch.stack(stats))
+            it += 1
+            log.bar.update(1)
+    finally:
+        log.bar.close()
+    bt = mean_bt(bits, args.b_init, args.b_target)
+    return log.finish(it, raw_model, optimizer, bt.item() if bt is not None else None)
 
 
-def build_optimizer(args, model, device_type):
-    """The optimizer named by --optim. 4-bit presets are told which parameter is the LM head (its
-    first moment switches RTN -> SR for the last 10 % of training, paper B section 4); with tied
-    embeddings that parameter is the token embedding. --v_codebook / --v_rounding, when given,
-    replace the preset's second-moment codebook / rounding rule (checked by check_optimizer_flags)."""
-    betas = (args.beta1, args.beta2)
-    groups = param_groups(model, args.weight_decay, args.bits_wd)
-    if args.optim == "adamw":
-        return torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=args.eps, fused=device_type == "cuda")
-    if args.optim in FOURBIT:
-        from adam4bit import AdamW4bit
-        opt = AdamW4bit(groups, lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay,
-                        preset=args.optim, seed=args.seed, **optimizer_overrides(args))
-        opt.mark_lm_head(model.lm_head.weight)
-        return opt
-    if args.optim == "adam-mini":
-        try:
-            from adam_mini import Adam_mini
-        except ImportError:
-            raise RunError("--optim adam-mini needs the adam-mini package (pip install adam-mini)") from None
-        c = model.config
-        opt = Adam_mini(named_parameters=model.named_parameters(), lr=args.lr, betas=betas, eps=args.eps,
-                        weight_decay=args.weight_decay, dim=c.n_embd, n_heads=c.n_head, n_kv_heads=c.n_kv_head)
-        # tell Adam-mini our layer names (its defaults follow HF/Llama naming)
-        for attr, names in (("wqk_names", {"attn.q.weight", "attn.k.weight"}), ("wv_names", {"attn.v.weight"}),
-                            ("embd_names", {"wte"}), ("output_names", {"lm_head"})):
-            if isinstance(getattr(opt, attr, None), set):
-                getattr(opt, attr).update(names)
-        return opt
-    raise ValueError(f"optim={args.optim!r}; allowed: {', '.join(OPTIMS)}")
+def bits_params(model):
+    """The PQT bitwidth parameters b_i ([] without PQT)."""
+    return [p for n, p in model.named_parameters() if n.endswith("b_i")]
+
+
+def mean_bt(bits_params, b_init, b_target):
+    """Mean tile bitwidth b_t over all PQT tiles (paper A eq. 11: b_t = b_target + b_i (b_init - b_target)),
+    as a 0-dim tensor (no device sync)."""
+    if not bits_params:
+        return None
+    b_i = torch.cat([p.detach().flatten() for p in bits_params]).float().mean()
+    return b_target + b_i * (b_init - b_target)
+
+
+@torch.no_grad()
+def evaluate(model, batches, n_windows, batch_size, ctx, device, rank=0, world=1, ddp=False):
+    """Mean cross-entropy (nats/token) over the fixed validation windows, split across ranks.
+    Uses the plain (uncompiled, unwrapped) model in eval mode."""
+    was_training = model.training
+    model.eval()
+    tot = torch.zeros(2, dtype=torch.float64, device=device)
+    for x, y in batches.val_batches(n_windows, batch_size, rank, world):
+        x, y = x.to(device), y.to(device)
+        with ctx:
+            _, loss = model(x, y)
+        tot[0] += loss.double() * y.numel()
+        tot[1] += y.numel()
+    if ddp:
+        dist.all_reduce(tot)
+    model.train(was_training)
+    return (tot[0] / tot[1]).item()
+
+
+def peak_memory_mb(device_type):
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    except Exception:
+        return float("nan")
 
 
 def optimizer_state_bytes(opt):
@@ -330,7 +642,151 @@ def optimizer_state_bytes(opt):
                if torch.is_tensor(v) and v.dim() > 0)
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------- log.jsonl and ckpt.pt
+
+class RunLog:
+    """OUT_DIR/log.jsonl, OUT_DIR/ckpt.pt and the progress bar of one run; only rank 0 writes.
+
+    log.jsonl holds one record per step ({"type": "step", ...}), per eval ("eval"), a diverged
+    step ("error") and a final "summary". A resumed run keeps the records up to its checkpoint
+    (a crashed tail and the old summary are dropped), so the log always covers the whole run."""
+
+    def __init__(self, args, proc, start_iter, best_val):
+        self.args, self.proc, self.start_iter = args, proc, start_iter
+        self.path = os.path.join(args.out_dir, "log.jsonl")
+        self.ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+        self.file, kept = None, []
+        if proc.master:
+            os.makedirs(args.out_dir, exist_ok=True)
+            if args.resume:
+                kept = [r for r in read_log(self.path) if (r.get("type") == "step" and r["iter"] < start_iter)
+                        or (r.get("type") == "eval" and r["iter"] <= start_iter)]
+            self.file = open(self.path, "w")
+            for r in kept:
+                self.file.write(json.dumps(r) + "\n")
+        self.bar = tqdm(total=args.max_iters, initial=start_iter, disable=not proc.master, dynamic_ncols=True,
+                        mininterval=0.5, desc="train")
+        old = [r["val_loss"] for r in kept if r.get("type") == "eval"]  # a resumed run's earlier evals
+        self.first_val, self.last_val = (old[0], old[-1]) if old else (None, None)
+        self.best_val = best_val
+        self.pending, self.step_times, self.recent_losses = None, [], []
+        self.last_ckpt = start_iter if args.resume else None
+        self.t_ref = time.time()  # start of the step being timed
+        self.t_start = time.time()
+
+    def write(self, rec):
+        if self.file:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+
+    def step(self, it, lr, stats):
+        """Log step `it`; stats: loss, grad norm[, mean b_t] on the device. On CUDA the numbers
+        are copied to pinned memory without blocking and read after the next step is queued: a
+        plain .item() would wait for everything queued so far and leave the GPU idle while the
+        CPU prepares the next step."""
+        if self.proc.device_type != "cuda":
+            self.pending = (it, stats, None, lr)
+            self.flush()
+            return
+        host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+        host.copy_(stats, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.flush()
+        self.pending = (it, host, event, lr)
+
+    def flush(self):
+        """Read back the pending step's numbers (waits for the device) and log them. RunError when
+        the loss or grad norm is not finite; the last checkpoint is left as it is."""
+        if self.pending is None:
+            return
+        it, stats, event, lr = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()  # waits for this step's numbers only, not for the step queued after it
+        vals = stats.tolist()
+        loss, gnorm = vals[0], vals[1]
+        now = time.time()
+        dt, self.t_ref = now - self.t_ref, now
+        if not (math.isfinite(loss) and math.isfinite(gnorm)):
+            msg = (f"loss {loss} / grad norm {gnorm} at step {it}: training diverged, stopping. "
+                   + (f"The last good checkpoint {self.ckpt_path} (step {self.last_ckpt}) is left intact."
+                      if self.last_ckpt is not None else "No checkpoint was written yet."))
+            self.write({"type": "error", "iter": it, "message": msg})
+            raise RunError(msg)
+        self.step_times.append(dt)
+        self.recent_losses.append(loss)
+        n = tokens_per_step(self.args)
+        rec = {"type": "step", "iter": it, "loss": loss, "lr": lr, "grad_norm": gnorm,
+               "tokens_per_s": n / dt, "dt_ms": dt * 1000, "peak_mem_mb": peak_memory_mb(self.proc.device_type)}
+        if len(vals) > 2:
+            rec["b_t_mean"] = vals[2]
+        self.write(rec)
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{n / dt:,.0f}", lr=f"{lr:.2e}", refresh=False)
+
+    def eval(self, it, val, bits=None):
+        """Log validation loss `val` at step `it`, with the mean training loss since the last eval
+        and, under PQT, the bitwidth statistics `bits`."""
+        self.first_val = val if self.first_val is None else self.first_val
+        self.last_val, self.best_val = val, min(self.best_val, val)
+        train_loss = float(np.mean(self.recent_losses)) if self.recent_losses else None
+        self.recent_losses.clear()
+        rec = {"type": "eval", "iter": it, "val_loss": val, "train_loss": train_loss,
+               "time_s": time.time() - self.t_start}
+        if bits is not None:
+            rec["bits"] = bits
+        self.write(rec)
+        if self.proc.master:
+            tl = f"{train_loss:.4f}" if train_loss is not None else "-"
+            self.bar.write(f"step {it}: val loss {val:.4f}, train loss {tl}")
+
+    def checkpoint(self, it, model, optimizer):
+        """ckpt.pt for step `it` (next step to run), written atomically by rank 0."""
+        self.last_ckpt = it
+        if not self.proc.master:
+            return
+        save_checkpoint(self.ckpt_path, {
+            "format": CKPT_FORMAT, "iter_num": it, "best_val_loss": self.best_val,
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "config": run_config(self.args), "model_config": asdict(model.config),
+            # the training data order is a pure function of (seed, rank, step, micro-step)
+            "data_rng": {"scheme": "numpy default_rng([seed, step, global micro-batch])",
+                         "seed": self.args.seed, "next_step": it},
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if self.proc.device_type == "cuda" else None}})
+
+    def finish(self, it, model, optimizer, b_t_mean=None):
+        """Log and print the summary of a run that stopped before step `it`; loss.png; returns
+        the summary."""
+        args, elapsed = self.args, time.time() - self.t_start
+        warm = self.step_times[min(len(self.step_times) - 1, 5):] if self.step_times else []  # skip compile/warmup
+        summary = {"type": "summary", "iters": it, "max_iters": args.max_iters, "start_iter": self.start_iter,
+                   "tokens": (it - self.start_iter) * tokens_per_step(args), "time_s": elapsed,
+                   "tokens_per_s": tokens_per_step(args) / float(np.median(warm)) if warm else None,
+                   "first_val_loss": self.first_val, "final_val_loss": self.last_val,
+                   "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
+                   "peak_mem_mb": peak_memory_mb(self.proc.device_type),
+                   "optimizer_state_mb": optimizer_state_bytes(optimizer) / 2**20,
+                   "params": model.num_params(), "preset": args.preset, "method": args.method, "optim": args.optim,
+                   "world": self.proc.world, "checkpoint": self.ckpt_path if self.last_ckpt is not None else None}
+        if b_t_mean is not None:
+            summary["b_t_mean"] = b_t_mean
+        self.write(summary)
+        if not self.proc.master:
+            return summary
+        first, last = self.first_val, self.last_val
+        say(f"done: {it - self.start_iter} steps" + (f" (resumed at step {self.start_iter})" if self.start_iter else "")
+            + f" in {elapsed:.1f}s, "
+            + (f"{summary['tokens_per_s']:,.0f} tokens/s (median), " if summary["tokens_per_s"] else "")
+            + (f"val loss {first:.4f} -> {last:.4f}, " if first is not None and last is not None else "")
+            + f"peak memory {summary['peak_mem_mb']:,.0f} MB, optimizer state {summary['optimizer_state_mb']:.2f} MB"
+            + (f", mean b_t {b_t_mean:.3f}" if b_t_mean is not None else ""))
+        say(f"checkpoint {self.ckpt_path}, log {self.path}")
+        if args.plot:
+            say(plot_losses(self.path, os.path.join(args.out_dir, "loss.png")))
+        self.file.close()
+        return summary
+
 
 def save_checkpoint(path, obj):
     """torch.save to path + '.tmp', fsync, then os.replace: a crash mid-write leaves the previous
@@ -375,81 +831,6 @@ def read_log(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run_config(args):
-    return {k: v for k, v in sorted(vars(args).items())}
-
-
-def check_resume_config(saved, current, path):
-    """RunError listing the flags whose values differ between the checkpoint and this run."""
-    keys = sorted((set(saved) | set(current)) - RESUME_FREE)
-    diff = [f"--{k} {saved.get(k)!r} (checkpoint) vs {current.get(k)!r} (now)"
-            for k in keys if saved.get(k) != current.get(k)]
-    if diff:
-        raise RunError(f"--resume: {path} was written by a different configuration: {'; '.join(diff)}. "
-                       f"Use the same flags, or a new --out_dir to start over.")
-
-
-# ----------------------------------------------------------------------------- helpers
-
-def setup_distributed(args):
-    """(ddp, rank, local_rank, world, device). Under torchrun (RANK set) joins the process group:
-    NCCL on CUDA, gloo on CPU."""
-    if int(os.environ.get("RANK", -1)) == -1:
-        dev = args.device
-        if dev == "auto":
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return False, 0, 0, 1, dev
-    import torch.distributed as dist
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    use_cuda = args.device != "cpu" and torch.cuda.is_available()
-    if use_cuda:
-        dev = f"cuda:{local_rank}"
-        torch.cuda.set_device(dev)
-    else:
-        dev = "cpu"
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return True, rank, local_rank, world, dev
-
-
-def mean_bt(bits_params, b_init, b_target):
-    """Mean tile bitwidth b_t over all PQT tiles (paper A eq. 11: b_t = b_target + b_i (b_init - b_target)),
-    as a 0-dim tensor (no device sync)."""
-    if not bits_params:
-        return None
-    b_i = torch.cat([p.detach().flatten() for p in bits_params]).float().mean()
-    return b_target + b_i * (b_init - b_target)
-
-
-def peak_memory_mb(device_type):
-    if device_type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    except Exception:
-        return float("nan")
-
-
-@torch.no_grad()
-def evaluate(model, batches, n_windows, batch_size, ctx, device, rank=0, world=1, ddp=False):
-    """Mean cross-entropy (nats/token) over the fixed validation windows, split across ranks.
-    Uses the plain (uncompiled, unwrapped) model in eval mode."""
-    was_training = model.training
-    model.eval()
-    tot = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y in batches.val_batches(n_windows, batch_size, rank, world):
-        x, y = x.to(device), y.to(device)
-        with ctx:
-            _, loss = model(x, y)
-        tot[0] += loss.double() * y.numel()
-        tot[1] += y.numel()
-    if ddp:
-        import torch.distributed as dist
-        dist.all_reduce(tot)
-    model.train(was_training)
-    return (tot[0] / tot[1]).item()
-
-
 def plot_losses(log_path, png_path):
     """loss.png from log.jsonl (train loss per step, val loss per eval); returns a note string."""
     try:
@@ -459,13 +840,11 @@ def plot_losses(log_path, png_path):
     except ImportError:
         return "matplotlib not installed: no loss.png (pip install matplotlib)"
     steps, evals = [], []
-    with open(log_path) as f:
-        for line in f:
-            r = json.loads(line)
-            if r.get("type") == "step":
-                steps.append((r["iter"], r["loss"]))
-            elif r.get("type") == "eval":
-                evals.append((r["iter"], r["val_loss"]))
+    for r in read_log(log_path):
+        if r.get("type") == "step":
+            steps.append((r["iter"], r["loss"]))
+        elif r.get("type") == "eval":
+            evals.append((r["iter"], r["val_loss"]))
     fig, ax = plt.subplots(figsize=(7, 4))
     if steps:
         ax.plot(*zip(*steps), lw=0.6, alpha=0.6, label="train (per step)")
@@ -487,318 +866,33 @@ def main(argv=None):
     """Parse argv (list of str; None = sys.argv[1:]) and train. Returns the summary dict.
     Bad flags raise SystemExit(2) with a one-line message; RunError for a diverged run or a bad
     checkpoint."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not (args.device in ("auto", "cpu") or args.device.startswith("cuda")):
-        parser.error(f"--device {args.device!r}: allowed: auto, cpu, cuda, cuda:N")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: CUDA is not available here; allowed: auto, cpu")
-    ddp, rank, local_rank, world, device = setup_distributed(args)
-    device_type = "cuda" if str(device).startswith("cuda") else "cpu"
-    resolve_args(args, parser, device_type == "cuda")
+    parser, args = parse_args(argv)
+    proc = setup_distributed(args)
+    resolve_args(args, parser, proc.device_type == "cuda")
     try:
-        return train(args, ddp, rank, world, device, device_type)
+        if args.grad_accum % proc.world:
+            raise RunError(f"--grad_accum {args.grad_accum} must be divisible by the number of GPUs ({proc.world})")
+        torch.manual_seed(args.seed)
+        if proc.device_type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        ckpt = load_checkpoint(resume_path(args)) if args.resume else None  # a bad file fails before data
+        batches = setup_data(args, proc)
+        model, replaced = setup_model(args, proc, batches)
+        if ckpt is not None and resume_is_done(args, ckpt):  # keep the log and its summary as they are
+            log = read_log(os.path.join(args.out_dir, "log.jsonl"))
+            return next((r for r in reversed(log) if r.get("type") == "summary"), None)
+        say_setup(args, proc, batches, model, replaced)
+        optimizer = build_optimizer(args, model, proc.device_type)
+        start_iter, best_val = 0, math.inf
+        if ckpt is not None:
+            start_iter, best_val = resume(args, ckpt, model, optimizer, proc.device_type)
+            del ckpt
+        say_optimizer(args, model)
+        return train(args, proc, model, optimizer, batches, start_iter, best_val)
     finally:
-        if ddp:
-            import torch.distributed as dist
+        if proc.ddp:
             dist.destroy_process_group()
-
-
-def train(args, ddp, rank, world, device, device_type):
-    master = rank == 0
-    say = print if master else (lambda *a, **k: None)
-    if args.grad_accum % world:
-        raise RunError(f"--grad_accum {args.grad_accum} must be divisible by the number of GPUs ({world})")
-    accum = args.grad_accum // world
-    torch.manual_seed(args.seed)
-    if device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-
-    # ---- checkpoint to resume (read first: its config must match this run)
-    ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
-    ckpt = resume_path = None
-    if args.resume:
-        resume_path = ckpt_path if args.resume == "auto" else args.resume
-        ckpt = load_checkpoint(resume_path)
-
-    # ---- data (rank 0 prepares, the others wait)
-    folder = None
-    if master:
-        try:
-            folder = datamod.prepare(args.dataset, args.tokenizer, data_dir=args.data_dir, max_tokens=args.max_tokens)
-        except (RuntimeError, ValueError, OSError) as e:  # offline download, empty corpus, ...
-            raise RunError(str(e)) from None
-    if ddp:
-        import torch.distributed as dist
-        obj = [folder if master else None]
-        dist.broadcast_object_list(obj, src=0)
-        folder = obj[0]
-    batches = datamod.Batches(folder, args.block_size, seed=args.seed)
-    meta = batches.meta
-    if batches.n["train"] < args.block_size + 1 or batches.n["val"] < args.block_size + 1:
-        raise RunError(f"--block_size {args.block_size}: {folder} has only {batches.n['train']} train / "
-                       f"{batches.n['val']} val tokens; use a shorter --block_size or more data")
-    if args.batch_size * args.block_size > batches.n["train"]:
-        raise RunError(f"--batch_size {args.batch_size} x --block_size {args.block_size} = "
-                       f"{args.batch_size * args.block_size} tokens per micro-batch is more than the "
-                       f"{batches.n['train']} training tokens in {folder}; use a smaller --batch_size")
-    fit = (batches.n["val"] - 1) // args.block_size  # validation windows that do not overlap
-    if args.eval_windows is None:
-        args.eval_windows = min(256 if device_type == "cuda" else 64, fit)
-        if args.eval_windows < (256 if device_type == "cuda" else 64):
-            say(f"eval on {fit} windows: all that fit in the val split of {folder} without overlap")
-    elif args.eval_windows > fit:
-        raise RunError(f"--eval_windows {args.eval_windows}: the val split of {folder} holds at most {fit} "
-                       f"non-overlapping windows of {args.block_size} tokens; use --eval_windows <= {fit}")
-
-    # ---- model
-    vocab = meta["vocab_size"] if meta["vocab_size"] <= 256 else -(-meta["vocab_size"] // 64) * 64
-    cfg = preset_config(args.preset, vocab_size=vocab, block_size=args.block_size)
-    model = GPT(cfg).to(device)
-    n_params = model.num_params()
-    replaced = []
-    if args.method != "bf16":
-        from gaussws import apply_pqt
-        replaced = apply_pqt(model, method=args.method, parts=args.parts, b_init=args.b_init,
-                             b_target=args.b_target, seed=args.seed, memory=args.pqt_memory)
-    bits_params = [p for n, p in model.named_parameters() if n.endswith("b_i")]
-    tokens_per_step = args.batch_size * args.block_size * args.grad_accum
-    if args.tokens_per_param is not None:
-        args.max_iters = max(1, math.ceil(args.tokens_per_param * n_params / tokens_per_step))
-        if args.stop_after is not None and args.stop_after > args.max_iters:
-            raise RunError(f"--stop_after {args.stop_after}: must be <= max_iters {args.max_iters} "
-                           f"(from --tokens_per_param {args.tokens_per_param:g})")
-    end_iter = min(args.max_iters, args.stop_after) if args.stop_after else args.max_iters
-    log_path = os.path.join(args.out_dir, "log.jsonl")
-    if ckpt is not None:  # after max_iters is known: it is part of the configuration
-        check_resume_config(ckpt["config"], run_config(args), resume_path)
-        if ckpt["iter_num"] >= end_iter:  # nothing left to do: keep the log and its summary as they are
-            done = ckpt["iter_num"] >= args.max_iters
-            say(f"--resume: {resume_path} is at step {ckpt['iter_num']} of {args.max_iters}, "
-                + ("the run is finished" if done else f"already at --stop_after {args.stop_after}")
-                + f"; nothing to do ({log_path} is left as it is). "
-                + ("Use a new --out_dir to train again." if done else "Raise or drop --stop_after to go on."))
-            return next((r for r in reversed(read_log(log_path)) if r.get("type") == "summary"), None)
-
-    say(f"device {device} x{world}, dtype {args.dtype}, compile {args.compile}")
-    say(f"data {folder}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"
-        + (f" (capped at {meta['max_tokens']:,})" if meta.get("max_tokens") else "")
-        + f", tokenizer {meta['tokenizer']} ({meta['source']})")
-    note = ""
-    if args.preset.startswith("llama"):
-        note = " (the papers count Llama sizes with a 32000-token vocabulary; this vocabulary changes the count)"
-    say(f"model {args.preset}: {describe(cfg)}; {n_params:,} parameters = {n_params / 1e6:.2f}M{note}")
-    if replaced:
-        say(f"PQT {args.method}[{args.parts}] on {len(replaced)} linear layers, "
-            f"{sum(p.numel() for p in bits_params):,} tiles (b_i), b_init {args.b_init}, b_target {args.b_target}")
-
-    optimizer = build_optimizer(args, model, device_type)
-    start_iter, best_val = 0, float("inf")
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        start_iter, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device_type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
-        say(f"resumed from {resume_path} at step {start_iter}")
-        del ckpt
-    overrides = "".join(f" --{k} {v}" for k, v in optimizer_overrides(args).items())
-    say(f"optimizer {args.optim}{overrides}, lr {args.lr:g} ({args.schedule}), {args.max_iters} steps of "
-        f"{tokens_per_step:,} tokens ({args.batch_size} x {args.block_size} x {args.grad_accum}), "
-        f"{args.max_iters * tokens_per_step / max(n_params, 1):.2f} tokens/param")
-
-    raw_model = model
-    if args.compile:
-        model = torch.compile(model, mode=args.compile_mode)
-    graphs = args.compile and "reduce-overhead" in args.compile_mode
-    if ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        # buffers (GaussWS seed state) advance identically on every rank: no broadcast needed
-        model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None,
-                    broadcast_buffers=False)
-    pt_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    ctx = (torch.autocast(device_type=device_type, dtype=pt_dtype) if pt_dtype != torch.float32
-           else contextlib.nullcontext())
-    penalty_fn = None
-    if args.bits_lambda and replaced:
-        from gaussws import bitwidth_penalty
-        penalty_fn = bitwidth_penalty
-
-    logf, kept = None, []
-    if master:
-        os.makedirs(args.out_dir, exist_ok=True)
-        if args.resume:  # drop records past the checkpoint (a crashed tail) and the old summary
-            kept = [r for r in read_log(log_path) if (r.get("type") == "step" and r["iter"] < start_iter)
-                    or (r.get("type") == "eval" and r["iter"] <= start_iter)]
-        logf = open(log_path, "w")
-        for r in kept:
-            logf.write(json.dumps(r) + "\n")
-
-    def log(rec):
-        if logf:
-            logf.write(json.dumps(rec) + "\n")
-            logf.flush()
-
-    def checkpoint(it):
-        if not master:
-            return
-        save_checkpoint(ckpt_path, {
-            "format": CKPT_FORMAT, "iter_num": it, "best_val_loss": best_val,
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-            "config": run_config(args), "model_config": asdict(cfg),
-            # the training data order is a pure function of (seed, rank, step, micro-step)
-            "data_rng": {"scheme": "numpy default_rng([seed, step, global micro-batch])",
-                         "seed": args.seed, "next_step": it},
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if device_type == "cuda" else None}})
-
-    from tqdm import tqdm
-    bar = tqdm(total=args.max_iters, initial=start_iter, disable=not master, dynamic_ncols=True,
-               mininterval=0.5, desc="train")
-    pending, step_times, recent_losses = None, [], []
-    old = [r["val_loss"] for r in kept if r.get("type") == "eval"]  # a resumed run's earlier evals
-    first_val, last_val = (old[0], old[-1]) if old else (None, None)
-    state = {"t_ref": time.time(), "last_ckpt": start_iter if args.resume else None}
-    t_start = time.time()
-
-    def flush():
-        """Read back the previous step's numbers (waits for the device) and log them. On CUDA this
-        runs one step late, so the CPU queues step k+1 before waiting for step k."""
-        nonlocal pending
-        if pending is None:
-            return
-        it, stats, event, lr = pending
-        pending = None
-        if event is not None:
-            event.synchronize()   # waits for this step's numbers only, not for the step queued after it
-        vals = stats.tolist()
-        loss, gnorm = vals[0], vals[1]
-        now = time.time()
-        dt, state["t_ref"] = now - state["t_ref"], now
-        if not (math.isfinite(loss) and math.isfinite(gnorm)):
-            last = state["last_ckpt"]
-            msg = (f"loss {loss} / grad norm {gnorm} at step {it}: training diverged, stopping. "
-                   + (f"The last good checkpoint {ckpt_path} (step {last}) is left intact."
-                      if last is not None else "No checkpoint was written yet."))
-            log({"type": "error", "iter": it, "message": msg})
-            raise RunError(msg)
-        step_times.append(dt)
-        recent_losses.append(loss)
-        rec = {"type": "step", "iter": it, "loss": loss, "lr": lr, "grad_norm": gnorm,
-               "tokens_per_s": tokens_per_step / dt, "dt_ms": dt * 1000,
-               "peak_mem_mb": peak_memory_mb(device_type)}
-        if bits_params:
-            rec["b_t_mean"] = vals[2]
-        log(rec)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", lr=f"{lr:.2e}", refresh=False)
-
-    it = start_iter
-    try:
-        while True:
-            # ---- eval and checkpoint (not again at the step we resumed at: done before saving)
-            at_end = it >= end_iter
-            if (it % args.eval_interval == 0 or at_end) and not (args.resume and it == start_iter):
-                flush()
-                if args.eval_windows > 0:
-                    val = evaluate(raw_model, batches, args.eval_windows, args.batch_size, ctx, device,
-                                   rank, world, ddp)
-                    first_val = val if first_val is None else first_val
-                    last_val, best_val = val, min(best_val, val)
-                    train_loss = float(np.mean(recent_losses)) if recent_losses else None
-                    recent_losses.clear()
-                    rec = {"type": "eval", "iter": it, "val_loss": val, "train_loss": train_loss,
-                           "time_s": time.time() - t_start}
-                    if replaced:
-                        from gaussws import bitwidth_stats
-                        rec["bits"] = bitwidth_stats(raw_model)
-                    log(rec)
-                    tl = f"{train_loss:.4f}" if train_loss is not None else "-"
-                    if master:
-                        bar.write(f"step {it}: val loss {val:.4f}, train loss {tl}")
-                if it > start_iter or at_end:
-                    checkpoint(it)
-                    state["last_ckpt"] = it
-                state["t_ref"] = time.time()
-            if at_end:
-                break
-            # ---- one optimizer step
-            lr = get_lr(it, args.max_iters, args.lr, args.schedule, args.warmup_frac,
-                        args.cooldown_frac, args.min_lr_frac)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            if hasattr(optimizer, "set_progress"):
-                optimizer.set_progress(it / args.max_iters)
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(accum):
-                x, y = batches.train_batch(args.batch_size, it, rank * accum + micro)
-                if device_type == "cuda":
-                    x = x.pin_memory().to(device, non_blocking=True)
-                    y = y.pin_memory().to(device, non_blocking=True)
-                if ddp:  # all-reduce gradients only on the last micro-step (set before forward)
-                    model.require_backward_grad_sync = micro == accum - 1
-                if graphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                with ctx:
-                    _, loss = model(x, y)
-                    total = loss if penalty_fn is None else loss + args.bits_lambda * penalty_fn(raw_model)
-                (total / accum).backward()
-                loss_sum += loss.detach()
-            if ddp:
-                import torch.distributed as dist
-                dist.all_reduce(loss_sum)  # SUM (gloo has no AVG); divided by world below
-            gnorm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                                   args.grad_clip if args.grad_clip > 0 else float("inf"))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            bt = mean_bt(bits_params, args.b_init, args.b_target)
-            stats = torch.stack([loss_sum / (accum * world), gnorm.float(),
-                                 bt if bt is not None else torch.zeros((), device=device)])
-            if device_type != "cuda":
-                pending = (it, stats, None, lr)
-                flush()
-            else:
-                # copy the numbers to pinned memory without blocking and read them after the next
-                # step is queued: a plain .item() would wait for everything queued so far and
-                # leave the GPU idle while the CPU prepares the next step
-                host = torch.empty(3, dtype=torch.float32, pin_memory=True)
-                host.copy_(stats, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                flush()
-                pending = (it, host, event, lr)
-            it += 1
-            bar.update(1)
-    finally:
-        bar.close()
-
-    # ---- summary
-    elapsed = time.time() - t_start
-    warm = step_times[min(len(step_times) - 1, 5):] if step_times else []  # skip compile/warmup steps
-    summary = {"type": "summary", "iters": it, "max_iters": args.max_iters, "start_iter": start_iter,
-               "tokens": (it - start_iter) * tokens_per_step, "time_s": elapsed,
-               "tokens_per_s": tokens_per_step / float(np.median(warm)) if warm else None,
-               "first_val_loss": first_val, "final_val_loss": last_val,
-               "best_val_loss": best_val if math.isfinite(best_val) else None,
-               "peak_mem_mb": peak_memory_mb(device_type), "optimizer_state_mb": optimizer_state_bytes(optimizer) / 2**20,
-               "params": n_params, "preset": args.preset, "method": args.method, "optim": args.optim,
-               "world": world, "checkpoint": ckpt_path if state["last_ckpt"] is not None else None}
-    if bits_params:
-        summary["b_t_mean"] = mean_bt(bits_params, args.b_init, args.b_target).item()
-    log(summary)
-    if master:
-        say(f"done: {it - start_iter} steps" + (f" (resumed at step {start_iter})" if start_iter else "")
-            + f" in {elapsed:.1f}s, "
-            + (f"{summary['tokens_per_s']:,.0f} tokens/s (median), " if summary["tokens_per_s"] else "")
-            + (f"val loss {first_val:.4f} -> {last_val:.4f}, " if first_val is not None and last_val is not None else "")
-            + f"peak memory {summary['peak_mem_mb']:,.0f} MB, optimizer state {summary['optimizer_state_mb']:.2f} MB"
-            + (f", mean b_t {summary['b_t_mean']:.3f}" if bits_params else ""))
-        say(f"checkpoint {ckpt_path}, log {log_path}")
-        if args.plot:
-            say(plot_losses(log_path, os.path.join(args.out_dir, "loss.png")))
-        logf.close()
-    return summary
 
 
 if __name__ == "__main__":
