@@ -1,0 +1,756 @@
+r"""
+Paper reproduction at small scale: the quality runs (both papers' loss comparisons, same data,
+seeds and steps for every run), paper A's experiment 5 (trained tiles cast to the Table C
+formats, Figure 5's learned bitwidths), and the figures drawn from the result JSON files.
+Runs on CPU or GPU; speed is measured by bench.py.
+
+    python experiments.py quality --dataset D --preset small   # the papers' loss comparisons
+    python experiments.py quality --preset mini --dataset D --seeds 0,1,2,3 --tokens_per_param 20 \
+        --jobs 20 --train_args "--tokenizer byte --batch_size 128"   # 20 concurrent train.py runs
+    python experiments.py plots                        # a PNG beside every results/*.json
+    python experiments.py plots results/X_optim.json   # the named files only
+
+`python bench.py --only quality ...` and `python bench.py --only plots` run the same code.
+A quality run writes its run folders and loss-curve PNGs to --out_dir and its result to
+results/<gpu>_<date>_quality.json (with --out_dir: <out_dir>/quality.json).
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import shlex
+import sys
+
+import torch
+
+import gaussws as g
+from bench import save
+
+
+# ---------------------------------------------------------------------------------------------
+# quality: the papers' comparisons at small scale, same data, seeds and steps for every run
+
+# experiment -> runs. A run is (method, optim) or (method, optim, extra train.py flags, label);
+# runs with the same (method, optim, flags) are trained once and shared between experiments.
+QUALITY = {
+    # paper A; the bits_wd 0.5 run pulls b_t down toward b_target harder than the default 0.1
+    "pqt": [("bf16", "adamw"), ("gaussws", "adamw"), ("diffq", "adamw"),
+            ("gaussws", "adamw", ("--bits_wd", "0.5"), "gaussws/adamw bits_wd 0.5")],
+    "optim": [("bf16", "fp32"), ("bf16", "torchao"), ("bf16", "zeeden"), ("bf16", "zipsr")],  # paper B
+    # paper B Figure 1: zero-inclusive Dyn4 second moment with state-space rounding vs Update-SR
+    # (Dyn4 + Update-SR is ZIP-SR). The paper keeps m in FP32 there; AdamW4bit quantizes m (NF4,
+    # the zipsr preset's) whenever v is quantized, so only the v rule differs between these runs.
+    "zeropoint": [("bf16", "fp32"),
+                  ("bf16", "zipsr", (), "Dyn4 Update-SR (zipsr)"),
+                  ("bf16", "zipsr", ("--v_codebook", "dyn4", "--v_rounding", "state-rtn"), "Dyn4 State-RTN"),
+                  ("bf16", "zipsr", ("--v_codebook", "dyn4", "--v_rounding", "state-sr"), "Dyn4 State-SR")],
+    "combined": [("bf16", "adamw"), ("gaussws", "zipsr")],                         # A + B together
+}
+
+
+def _spec(run):
+    """(method, optim, extra flags as a tuple of str, label) of a QUALITY run."""
+    method, optim, *rest = run
+    extra = tuple(rest[0]) if rest else ()
+    label = rest[1] if len(rest) > 1 else f"{method}/{optim}" + "".join(f" {x}" for x in extra)
+    return method, optim, extra, label
+
+
+def _run_dir(out_dir, method, optim, extra, seed):
+    tag = "".join(("_" if x.startswith("--") else "-") + re.sub(r"[^\w.-]", "_", x.lstrip("-")) for x in extra)
+    return os.path.join(out_dir, f"{method}_{optim}{tag}_s{seed}")
+
+
+def _visible_gpus():
+    """CUDA device ids (as CUDA_VISIBLE_DEVICES strings) a subprocess may be pinned to; [] on CPU."""
+    if not torch.cuda.is_available():
+        return []
+    vis = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return (vis or [str(i) for i in range(torch.cuda.device_count())])[:torch.cuda.device_count()]
+
+
+def _prepare_data(argv):
+    """Check the flags and prepare the dataset once, as train.py would (so concurrent runs do not
+    race to write the same data folder)."""
+    import data as datamod
+    import train as trainer
+    p = trainer.build_parser()
+    a = p.parse_args(argv)
+    trainer.resolve_args(a, p, a.device != "cpu" and torch.cuda.is_available())
+    datamod.prepare(a.dataset, a.tokenizer, data_dir=a.data_dir, max_tokens=a.max_tokens)
+
+
+def _train_inprocess(argv, d):
+    """One run in this process; a diverged run (train.py's RunError on a NaN/inf loss) is left in
+    its log and reported, not raised."""
+    import train as trainer
+    try:
+        trainer.main(argv)
+    except trainer.RunError as e:
+        if "diverged" not in str(e):
+            raise
+        print(f"[quality] {d}: {e}")
+
+
+def _train_subprocesses(todo, jobs):
+    """Run `python train.py ARGV` for each (argv, out_dir) of todo, `jobs` at a time; with more than
+    one visible GPU each run gets the least-loaded one (CUDA_VISIBLE_DEVICES; round-robin when the
+    runs take equal time). A run's output goes to out_dir/train.out. Returns {out_dir: message}
+    for runs that failed other than by diverging (their train.py exited non-zero without an
+    "error" record in log.jsonl)."""
+    import signal
+    import subprocess
+    import threading
+    import time
+    import train as trainer
+    here = os.path.dirname(os.path.abspath(__file__))
+    gpus, queue, running, failed = _visible_gpus(), list(todo), [], {}
+    # a time limit or scheduler sends SIGTERM: raise SystemExit so the finally below ends the runs
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if main_thread else None
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                argv, d = queue.pop(0)
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                gpu = None
+                if len(gpus) > 1:
+                    load = {x: sum(r[2] == x for r in running) for x in gpus}
+                    gpu = min(gpus, key=load.get)
+                    env["CUDA_VISIBLE_DEVICES"] = gpu
+                elif not gpus and "OMP_NUM_THREADS" not in env:   # CPU: share the cores
+                    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+                os.makedirs(d, exist_ok=True)
+                fh = open(os.path.join(d, "train.out"), "w")
+                p = subprocess.Popen([sys.executable, os.path.join(here, "train.py"), *argv],
+                                     stdout=fh, stderr=subprocess.STDOUT, env=env)
+                running.append((p, d, gpu, fh, time.time()))
+                print(f"[quality] started {d}" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
+            time.sleep(0.2)
+            for r in [r for r in running if r[0].poll() is not None]:
+                p, d, gpu, fh, t0 = r
+                fh.close()
+                running.remove(r)
+                status = "done"
+                if p.returncode:
+                    if any(x.get("type") == "error" for x in trainer.read_log(os.path.join(d, "log.jsonl"))):
+                        status = "diverged"
+                    else:
+                        with open(os.path.join(d, "train.out")) as f:
+                            failed[d] = f"exit {p.returncode}: " + f.read()[-2000:]
+                        status = f"FAILED (exit {p.returncode}, see {d}/train.out)"
+                print(f"[quality] {status} {d} ({time.time() - t0:.0f} s)", flush=True)
+    finally:   # interrupted (Ctrl-C, a time limit): do not leave runs behind
+        for p, *_ in running:
+            p.terminate()
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_handler)
+    return failed
+
+
+def _read_run(d):
+    """Numbers of a finished (or diverged) run from its log.jsonl."""
+    import train as trainer
+    recs = trainer.read_log(os.path.join(d, "log.jsonl"))
+    s = next((r for r in reversed(recs) if r.get("type") == "summary"), None) or {}
+    err = next((r for r in reversed(recs) if r.get("type") == "error"), None)
+    pts = [(r["iter"], r["loss"]) for r in recs if r.get("type") == "step"]
+    steps = [loss for _, loss in pts]
+    tail = steps[-max(1, len(steps) // 10):]
+    k = max(1, len(pts) // 50)          # moving average over 2 % of the steps (paper B Figure 1)
+    smooth = [(pts[i][0], sum(win := steps[max(0, i - k + 1):i + 1]) / len(win))
+              for i in range(0, len(pts), max(1, len(pts) // 200))]
+    return dict(dir=d, log=os.path.join(d, "log.jsonl"), diverged_at=err["iter"] if err else None,
+                val_curve=[(r["iter"], r["val_loss"]) for r in recs if r.get("type") == "eval"],
+                train_curve=smooth,
+                final_val_loss=s.get("final_val_loss"), optimizer_state_mb=s.get("optimizer_state_mb"),
+                peak_mem_mb=s.get("peak_mem_mb"), tokens_per_s=s.get("tokens_per_s"),
+                # mean training loss over the last 10 % of steps (None for a diverged run)
+                final_train_loss=sum(tail) / len(tail) if steps and not err else None)
+
+
+def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=QUALITY, jobs=1,
+                  cast=True, command=None, resume=False):
+    """Train every run of `experiments` for each seed with the same train.py flags (`train_args`:
+    preset, dataset, steps, ...) and compare final val losses (mean over seeds).
+    For "optim" also the gap to 32-bit AdamW and the share of TorchAO's gap each method closes
+    (paper B: ZIP-SR / ZE-EDEN close up to 70 % of it at every size); for "zeropoint" (paper B
+    Figure 1) the training-loss curves, where a diverged run (NaN/inf loss) is recorded with its
+    step instead of stopping the others. With an experiment "pqt" and cast=True also experiment 5
+    (bench_cast: val loss before and after casting tiles to their Table C formats) and the Figure 5
+    bitwidth chart.
+    jobs=1 trains in this process; jobs>1 runs that many `python train.py` subprocesses at once,
+    spread over the visible GPUs. Runs shared between experiments are trained once.
+    resume=True passes train.py --resume to every run that has a checkpoint: finished runs are
+    read back as they are, interrupted ones continue (train.py refuses a changed configuration),
+    so the experiments can be spread over several invocations.
+    Writes loss-curve PNGs when matplotlib is installed.
+    Returns {"command", "seeds", "experiments": {experiment: {label: {...}}}, "cast", "bitwidth",
+    "failed_runs"}."""
+    runs, todo = {}, []
+    for run in dict.fromkeys(_spec(r)[:3] for rs in experiments.values() for r in rs):
+        for seed in seeds:
+            d = _run_dir(out_dir, *run, seed)
+            argv = [*train_args, "--method", run[0], "--optim", run[1], *run[2], "--seed", str(seed),
+                    "--out_dir", d, "--no-plot"]
+            if resume and os.path.exists(os.path.join(d, "ckpt.pt")):
+                argv.append("--resume")
+            runs[(*run, seed)] = d
+            todo.append((argv, d))
+    failed = {}
+    if jobs > 1:
+        _prepare_data(todo[0][0])
+        failed = _train_subprocesses(todo, jobs)
+    else:
+        for argv, d in todo:
+            _train_inprocess(argv, d)
+    runs = {k: _read_run(d) for k, d in runs.items()}
+    res = {}
+    for exp, rs in experiments.items():
+        rows = {}
+        for run in rs:
+            method, optim, extra, label = _spec(run)
+            per = [runs[(method, optim, extra, s)] for s in seeds]
+            finals = [r["final_val_loss"] for r in per]
+            ok = all(x is not None and math.isfinite(x) for x in finals)
+            rows[label] = dict(
+                method=method, optim=optim, flags=list(extra), final_val_loss=finals,
+                mean=sum(finals) / len(finals) if ok else None,
+                final_train_loss=[r["final_train_loss"] for r in per],
+                diverged_at=[r["diverged_at"] for r in per],
+                **{k: per[0][k] for k in ("optimizer_state_mb", "peak_mem_mb", "tokens_per_s")},
+                curves=[dict(seed=sd, val=r["val_curve"], train=r["train_curve"]) for sd, r in zip(seeds, per)])
+        base = rows[_spec(rs[0])[3]]["mean"]
+        for r in rows.values():
+            r["gap_to_first"] = r["mean"] - base if r["mean"] is not None and base is not None else None
+        if exp == "optim" and "bf16/torchao" in rows:
+            gap_ao = rows["bf16/torchao"]["gap_to_first"]
+            for r in rows.values():   # undefined unless TorchAO is behind 32-bit AdamW
+                r["share_of_torchao_gap_closed"] = (1 - r["gap_to_first"] / gap_ao
+                                                    if gap_ao and gap_ao > 0 and r["gap_to_first"] is not None
+                                                    else None)
+        res[exp] = rows
+        print(f"[{exp}] " + "; ".join(
+            f"{k}: " + (f"{v['mean']:.4f} ({v['gap_to_first']:+.4f})" if v["gap_to_first"] is not None else
+                        f"{v['mean']}" if v["mean"] is not None else
+                        "diverged at step " + ", ".join(str(x) for x in v["diverged_at"]))
+            for k, v in rows.items()))
+        _plot_quality(exp, rows, os.path.join(out_dir, f"{exp}.png"), train_loss=exp == "zeropoint")
+    out = dict(command=command or f"python experiments.py quality  # train.py {' '.join(train_args)}",
+               seeds=list(seeds), experiments=res)
+    if cast and "pqt" in experiments:
+        pqt = [(_spec(r), s) for r in experiments["pqt"] for s in seeds]
+        done = [(f"{sp[3]} s{s}", runs[(*sp[:3], s)]["dir"]) for sp, s in pqt
+                if runs[(*sp[:3], s)]["final_val_loss"] is not None]
+        out["cast"], out["bitwidth"] = bench_cast(done, os.path.join(out_dir, "bitwidth.png"))
+        _plot_cast(out["cast"], os.path.join(out_dir, "cast.png"))
+    out["failed_runs"] = failed
+    for d, msg in failed.items():
+        print(f"[quality] run {d} FAILED: {msg[-500:]}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# experiment 5: cast trained tiles to the FP formats of paper A Table C (and Figure 5's bitwidths)
+
+# (largest b_t, name as gaussws.fp_tier gives it, exponent bits, mantissa bits): paper A §3.3,
+# Prop. 4 and Table C; tiles above 12 bits keep their FP32 weights.
+FP_TIERS = ((5, "FP8 e3m4", 3, 4), (9, "FP12 e4m7", 4, 7), (12, "FP16 e5m10", 5, 10))
+# The same layers of every model cast to one format, mantissa 4 down to 1 bit: Prop. 3 gives
+# w_hat a (b_t - 2)-bit mantissa, so b_target = 4 calls for e3m2 -- a coarser grid than the FP8
+# tier, where a model trained without noise should lose more than one trained with it.
+CAST_SWEEP = ((3, 4), (3, 3), (3, 2), (3, 1))
+
+
+def _fp_limits(exp_bits, man_bits, inf_nan=True):
+    """(emin, emax, largest finite) of a binary FP format with bias 2^(exp_bits-1) - 1."""
+    bias = 2 ** (exp_bits - 1) - 1
+    emax = 2 ** exp_bits - (2 if inf_nan else 1) - bias
+    return 1 - bias, emax, (2 - 2.0 ** -man_bits) * 2.0 ** emax
+
+
+def cast_fp(x, exp_bits, man_bits, inf_nan=True):
+    """Round x (float tensor, any shape/device) to the nearest value of the binary floating-point
+    format with `exp_bits` exponent and `man_bits` mantissa bits, ties to even, with subnormals;
+    magnitudes beyond the largest finite value (and +-inf) saturate to it. The format has
+    exponent bias 2^(exp_bits-1) - 1; inf_nan=True reserves the all-ones exponent for inf/NaN as
+    IEEE 754 does (the Table C formats of paper A count "a range for NaN/Inf", Prop. 4:
+    e5m10 = IEEE FP16, e3m4, e4m7), inf_nan=False uses it for finite values (OCP FP4 E2M1:
+    0, 0.5, 1, 1.5, 2, 3, 4, 6). NaN stays NaN. Returns the values in x's dtype (exact for float32
+    and float64 inputs; the rounding is done in float64).
+    Raises ValueError unless exp_bits is an int in [1, 8] and man_bits an int in [0, 23]
+    (exp_bits 1 needs inf_nan=False)."""
+    for name, v, lo, hi in (("exp_bits", exp_bits, 1, 8), ("man_bits", man_bits, 0, 23)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"cast_fp: {name}={v!r} must be an int in [{lo}, {hi}]")
+    if exp_bits == 1 and inf_nan:
+        raise ValueError("cast_fp: exp_bits=1 with inf_nan=True leaves no finite normal exponent; "
+                         "use inf_nan=False")
+    emin, _, top = _fp_limits(exp_bits, man_bits, inf_nan)
+    a = x.detach().double().abs()
+    _, ex = torch.frexp(a)                    # a = f * 2^ex, f in [0.5, 1): exponent = ex - 1
+    step = torch.exp2((ex - 1).clamp(min=emin).double() - man_bits)   # grid spacing in a's binade
+    q = (torch.round(a / step) * step).clamp(max=top)                 # torch.round: half to even
+    return torch.where(torch.isnan(a), a, q).copysign(x.detach().double()).to(x.dtype)
+
+
+def _tile_grid_of(t, m, n):
+    """Broadcast a per-tile tensor (ceil(m/32), ceil(n/32)) to (m, n)."""
+    return t.repeat_interleave(g.TILE, 0)[:m].repeat_interleave(g.TILE, 1)[:, :n]
+
+
+def cast_tiles(w, exp_bits, man_bits):
+    """Every 32x32 tile of w (m, n) cast to FP(exp_bits, man_bits) with its own power-of-two scale
+    (MX-style shared exponent): the tile's absmax lands in the format's top binade, so the largest
+    magnitude stays representable (to the format's precision; at most it saturates to the largest
+    finite value) and the format's exponent range spans downward from it, as Prop. 4 counts it.
+    All-zero tiles stay zero. Returns a new tensor of w's dtype."""
+    m, n = w.shape
+    tm, tn = g.tile_grid(m, n)
+    pad = torch.zeros(tm * g.TILE, tn * g.TILE, dtype=torch.float64, device=w.device)
+    pad[:m, :n] = w.detach().abs()
+    amax = pad.view(tm, g.TILE, tn, g.TILE).amax(dim=(1, 3))
+    _, ex = torch.frexp(amax)
+    emax = _fp_limits(exp_bits, man_bits)[1]
+    scale = _tile_grid_of(torch.where(amax > 0, torch.exp2((ex - 1 - emax).double()), 1.0), m, n)
+    return (cast_fp(w.detach().double() / scale, exp_bits, man_bits) * scale).to(w.dtype)
+
+
+@torch.no_grad()
+def cast_to_tiers(model):
+    """In place: the weight of every GaussWSLinear of `model` cast tile by tile to the paper A
+    Table C format its bitwidth calls for (b_t of eq. 11 clamped to [B_MIN, B_MAX], as sampling
+    uses it): b_t <= 5 -> FP8 e3m4, <= 9 -> FP12 e4m7, <= 12 -> FP16 e5m10, above: kept (FP32).
+    Returns {format name: share of those layers' weight parameters}, ">FP16" for the kept ones."""
+    counts = {name: 0 for _, name, _, _ in FP_TIERS} | {">FP16": 0}
+    for _, layer in g.pqt_layers(model):
+        w = layer.weight
+        m, n = w.shape
+        bt = _tile_grid_of(layer.b_t.detach().clamp(g.B_MIN, g.B_MAX), m, n)
+        out, lo = w.detach().clone(), -math.inf
+        for limit, name, e, mb in FP_TIERS:
+            mask = (bt > lo) & (bt <= limit)
+            if mask.any():
+                out = torch.where(mask, cast_tiles(w, e, mb), out)
+            counts[name] += int(mask.sum())
+            lo = limit
+        counts[">FP16"] += int((bt > lo).sum())
+        w.copy_(out)
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.items()}
+
+
+def load_run(run_dir, device="cpu"):
+    """(model in eval mode on device, run config, val()) from run_dir/ckpt.pt of a train.py run;
+    val() is the run's validation loss (train.evaluate on its windows, batch size, autocast dtype).
+    In eval mode GaussWSLinear layers use their weights w as they are (no noise)."""
+    import contextlib
+    import data as datamod
+    import train as trainer
+    from model import GPT, GPTConfig
+    ck = trainer.load_checkpoint(os.path.join(run_dir, "ckpt.pt"))
+    c = ck["config"]
+    model = GPT(GPTConfig(**ck["model_config"]))
+    if c["method"] != "bf16":
+        g.apply_pqt(model, method=c["method"], parts=c["parts"], b_init=c["b_init"], b_target=c["b_target"],
+                    seed=c["seed"], memory=c["pqt_memory"])
+    model.load_state_dict(ck["model"])
+    device = torch.device(device)
+    model.to(device).eval()
+    folder = datamod.prepare(c["dataset"], c["tokenizer"], data_dir=c["data_dir"], max_tokens=c["max_tokens"],
+                             verbose=False)
+    batches = datamod.Batches(folder, c["block_size"], seed=c["seed"])
+    ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if c["dtype"] == "bfloat16"
+           else contextlib.nullcontext())
+    return model, c, lambda: trainer.evaluate(model, batches, c["eval_windows"], c["batch_size"], ctx, device)
+
+
+def bench_cast(run_dirs, png=None, device=None):
+    """Experiment 5 and paper A Figure 5 on finished runs [(label, run_dir)]: val loss of the
+    plain weights w before and after cast_to_tiers. GaussWS/DiffQ runs use each tile's learned b_t;
+    a BF16 run is the control: its same layers (--parts) are cast at the fixed b_target tier
+    (does PQT training make the model more tolerant than plain training?). Each model's same
+    layers are also cast to every format of CAST_SWEEP in turn (from the trained weights).
+    Returns (cast rows {label: {val_loss_before, val_loss_after, delta, tier_share, tiers,
+    sweep_delta: {"e3m4": val loss change, ...}}},
+    bitwidth {label: Figure 5 statistics of the learned b_t, gaussws.bitwidth_stats}); the first
+    GaussWS run's per-layer b_t is drawn to `png` (mean, +-std, min-max)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows, bits, drawn = {}, {}, False
+    for label, d in run_dirs:
+        model, c, val = load_run(d, device)
+        before = val()
+        if c["method"] == "bf16":
+            g.apply_pqt(model, parts=c["parts"], b_init=c["b_target"], b_target=c["b_target"])
+            model.eval()
+            tiers = f"fixed b_target {c['b_target']:g}"
+        else:
+            stats = g.bitwidth_stats(model)
+            bits[label] = dict(method=c["method"], layers={k: v for k, v in stats.items() if k != "all"},
+                               **{k: stats["all"][k] for k in ("mean", "std", "min", "max", "share_le5",
+                                                             "share_le9", "share_le12")})
+            tiers = "learned b_t"
+            if png and c["method"] == "gaussws" and not drawn:
+                _plot_bitwidth(stats, png, f"{label}: learned b_t per layer (paper A Figure 5)")
+                drawn = True
+        layers = [layer for _, layer in g.pqt_layers(model)]
+        w0 = [layer.weight.detach().clone() for layer in layers]
+        sweep = {}
+        for e, mb in CAST_SWEEP:
+            with torch.no_grad():
+                for layer, w in zip(layers, w0):
+                    layer.weight.copy_(cast_tiles(w, e, mb))
+            sweep[f"e{e}m{mb}"] = val() - before
+        with torch.no_grad():
+            for layer, w in zip(layers, w0):
+                layer.weight.copy_(w)
+        share = cast_to_tiers(model)
+        after = val()
+        rows[label] = dict(val_loss_before=before, val_loss_after=after, delta=after - before,
+                           tier_share=share, tiers=tiers, sweep_delta=sweep)
+        print(f"[cast] {label} ({tiers}): val loss {before:.4f} -> {after:.4f} ({after - before:+.4f}); "
+              + ", ".join(f"{k} {v:.1%}" for k, v in share.items() if v)
+              + "; every tile at " + ", ".join(f"{k} {v:+.4f}" for k, v in sweep.items()))
+        del model
+    return rows, bits
+
+
+# ---------------------------------------------------------------------------------------------
+# figures: the quality runs' curves, Figure 5, experiment 5, and one PNG per result JSON
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return None
+
+
+def _finish(plt, fig, ax, png):
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    print("wrote", png)
+
+
+def _plot_quality(exp, rows, png, train_loss=False):
+    """Curves of an experiment's runs from its result rows (label -> row with "curves").
+    train_loss=True: the smoothed training loss of every seed (as in paper B Figure 1). Otherwise
+    the val loss averaged over seeds per run, and beside it each run's gap to the first run (the
+    baseline) at the same evals, where differences of 0.01 would be invisible on the loss scale."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    if train_loss:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        top = None
+        for label, row in rows.items():
+            for c in row.get("curves", []):
+                pts = c["train"]
+                if not pts:
+                    continue
+                if top is None:     # y range: the first run's curve after its first steps
+                    top = max(p[1] for p in pts[len(pts) // 20:])
+                    bottom = min(p[1] for p in pts)
+                ax.plot(*zip(*pts), lw=1, label=f"{label} seed {c['seed']}")
+        if top is not None and math.isfinite(top) and math.isfinite(bottom):
+            ax.set_ylim(bottom - 0.05 * (top - bottom), top + 0.05 * (top - bottom))
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (smoothed)")
+        ax.set_title(exp)
+        _finish(plt, fig, ax, png)
+        return
+
+    def mean_curve(row):   # {step: mean val loss over the seeds that have it}
+        by_step = {}
+        for c in row.get("curves", []):
+            for step, v in c["val"]:
+                by_step.setdefault(step, []).append(v)
+        return {k: sum(v) / len(v) for k, v in sorted(by_step.items())}
+    curves = {label: mean_curve(row) for label, row in rows.items()}
+    base = next(iter(curves.values()), {})
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, cv in curves.items():
+        n = len(rows[label].get("curves", []))
+        if cv:
+            ax.plot(list(cv), list(cv.values()), lw=1, marker="o", ms=3, label=f"{label} ({n} seeds)")
+        late = [k for k in cv if k in base and k >= 0.2 * max(base, default=0)]
+        ax2.plot(late, [cv[k] - base[k] for k in late], lw=1, marker="o", ms=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("val loss (mean over seeds)")
+    ax.set_title(exp)
+    ax2.axhline(0, color="k", lw=0.8)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel(f"val loss - {next(iter(rows), '')} (means)")
+    ax2.set_title(f"{exp}: gap to the first run, from 20 % of the steps")
+    ax2.grid(alpha=0.3)
+    _finish(plt, fig, ax, png)
+
+
+def _plot_bitwidth(stats, png, title):
+    """Paper A Figure 5: per PQT layer (in model order) the mean learned b_t with +-std (thick)
+    and min-max (thin) bars, and the Table C tier limits 5/9/12 bits."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    names = [k for k in stats if k != "all"]
+    x = range(len(names))
+    mean = [stats[k]["mean"] for k in names]
+    fig, ax = plt.subplots(figsize=(max(6, 0.25 * len(names)), 4))
+    ax.errorbar(x, mean, yerr=[[m - stats[k]["min"] for m, k in zip(mean, names)],
+                               [stats[k]["max"] - m for m, k in zip(mean, names)]],
+                fmt="none", ecolor="gray", elinewidth=0.8, capsize=2, label="min-max")
+    ax.errorbar(x, mean, yerr=[stats[k]["std"] for k in names], fmt="o", ms=3, elinewidth=2.5,
+                label="mean +- std")
+    for lim in (5, 9, 12):
+        ax.axhline(lim, ls=":", lw=0.8, color="k")
+    a = stats["all"]
+    ax.set_title(title + f"\nparams at <=5 / <=9 / <=12 bits: {a['share_le5']:.1%} / {a['share_le9']:.1%} / "
+                 f"{a['share_le12']:.1%}", fontsize=9)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([k.replace("blocks.", "") for k in names], rotation=90, fontsize=6)
+    ax.set_ylabel("b_t (bits)")
+    _finish(plt, fig, ax, png)
+
+
+def _plot_cast(cast, png):
+    """Experiment 5: val-loss change after casting every PQT tile to each CAST_SWEEP format, one
+    line per run label (the mean over its seeds, labels "<run> s<seed>"), log scale."""
+    plt = _pyplot()
+    rows = {k: v for k, v in cast.items() if v.get("sweep_delta")}
+    if plt is None or not rows:
+        return
+    by_run = {}
+    for label, row in rows.items():
+        by_run.setdefault(label.rsplit(" s", 1)[0], []).append(row["sweep_delta"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run, sweeps in by_run.items():
+        fmts = list(sweeps[0])
+        ax.plot(fmts, [max(sum(s[f] for s in sweeps) / len(sweeps), 1e-5) for f in fmts], marker="o",
+                label=f"{run} ({len(sweeps)} seeds)")
+    ax.set_yscale("log")
+    ax.set_xlabel("format of every PQT tile (per-tile power-of-two scale)")
+    ax.set_ylabel("val loss increase (mean over seeds; floor 1e-5)")
+    ax.set_title("Experiment 5: cast after training")
+    _finish(plt, fig, ax, png)
+
+
+def _bars(ax, labels, values, title, unit):
+    ax.barh(range(len(labels)), values, color="tab:blue")
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {v:.3g}", va="center", fontsize=7)
+    ax.set_xlabel(unit)
+    ax.set_title(title, fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def plot_results(paths):
+    """PNG next to each result JSON (results/<gpu>_<date>_<section>.json -> .png): optim (step
+    time per optimizer, bandwidth floor), train (Table 1 overhead vs BF16), memory (bytes/param
+    per training-state part), noise (eq. 3 forward time per shape), ddp (1 vs N GPU loss curves),
+    quality (final val loss per run and seed; beside it <stem>_<experiment>.png, each
+    experiment's curves when the JSON has them, <stem>_cast.png for experiment 5 and
+    <stem>_bitwidth.png, the Figure 5 chart). Returns the PNG paths written."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    out = []
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        stem = path[:-5]
+        section = os.path.basename(stem).rsplit("_", 1)[-1]   # <gpu>_<date>_<section>, or quality.json
+        if section not in ("optim", "memory", "noise", "train", "ddp", "quality"):
+            print(f"(no plot for {path}: the file name must end in _<section>.json, section one of "
+                  "optim, memory, noise, train, ddp, quality)")
+            continue
+        title = f"{r.get('gpu', '')} {r.get('date', '')}: {r.get('command', '')}"[:110]
+        fig = None
+        if section == "optim":
+            cases = list(dict.fromkeys(x["case"] for x in r["rows"]))
+            fig, axs = plt.subplots(len(cases), 1, figsize=(8, 2.2 * len(cases)), squeeze=False)
+            for ax, case in zip(axs[:, 0], cases):
+                rows = [x for x in r["rows"] if x["case"] == case and "reference" not in x["optimizer"]]
+                _bars(ax, [f"{x['optimizer']} ({x['state_bytes_per_param']:.2f} B/param)" for x in rows],
+                      [x["ms"] for x in rows], case, "step time, ms")
+                for x in rows:
+                    ax.axvline(x["floor_ms"], ls=":", lw=0.8, color="k")
+        elif section == "memory":
+            fig, ax = plt.subplots(figsize=(8, 3.5))
+            labels = [f"{x['method']} {x['memory']} {x['optim']}" for x in r["rows"]]
+            left = [0.0] * len(labels)
+            for part in r["rows"][0]["measured_B_per_param"]:
+                v = [x["measured_B_per_param"][part] for x in r["rows"]]
+                ax.barh(range(len(labels)), v, left=left, label=part)
+                left = [a + b for a, b in zip(left, v)]
+            ax.set_yticks(range(len(labels)))
+            ax.set_yticklabels(labels, fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlabel(f"training-state bytes per parameter ({r['preset']})")
+            ax.legend(fontsize=7)
+        elif section == "noise":
+            fig, ax = plt.subplots(figsize=(7, 4))
+            shapes = [x["shape"] for x in r["rows"]]
+            for k, name in (("eager", "eager torch"), ("compiled", "torch.compile"), ("bm", "Box-Muller"),
+                            ("ours", "ours 3-step"), ("fused", "ours fused"), ("floor", "bandwidth floor")):
+                ax.plot(shapes, [x[k] * 1e3 for x in r["rows"]], marker="o", label=name)
+            ax.set_yscale("log")
+            ax.set_ylabel("eq. 3 forward, us")
+            ax.legend(fontsize=7)
+        elif section == "train":
+            fig, ax = plt.subplots(figsize=(8, 4.5))
+            rows = [x for x in r["rows"] if x["method"] != "bf16"]
+            _bars(ax, [f"{x['model']} {x['optim']} {x['method']}" for x in rows],
+                  [x["overhead_pct"] for x in rows], "Table 1: tokens/s overhead vs BF16 (same model, optimizer)",
+                  "overhead, %")
+        elif section == "ddp":
+            fig, ax = plt.subplots(figsize=(7, 4))
+            ax.plot(r["one"]["step_loss"], lw=1, label="1 GPU (grad_accum 2)")
+            ax.plot(r["many"]["step_loss"], lw=1, label=f"{r['nproc']} GPUs (DDP)")
+            ax.set_xlabel("step")
+            ax.set_ylabel("training loss")
+            ax.legend(fontsize=7)
+        elif section == "quality":
+            exps = r["experiments"]
+            fig, axs = plt.subplots(len(exps), 1, figsize=(8, 1.2 + 0.45 * sum(len(e) for e in exps.values())),
+                                    squeeze=False)   # one experiment: still a list of axes
+            for ax, (exp, rows) in zip(axs[:, 0], exps.items()):
+                labels = list(rows)
+                for i, lab in enumerate(labels):
+                    vals = [v for v in rows[lab]["final_val_loss"] if v is not None]
+                    ax.scatter(vals, [i] * len(vals), color="tab:blue", s=14)
+                    if rows[lab]["mean"] is not None:
+                        ax.scatter([rows[lab]["mean"]], [i], marker="|", s=200, color="k")
+                ax.set_yticks(range(len(labels)))
+                ax.set_yticklabels(labels, fontsize=7)
+                ax.invert_yaxis()
+                ax.set_title(f"{exp}: final val loss per seed (| = mean)", fontsize=9)
+                ax.grid(axis="x", alpha=0.3)
+                if exp == "zeropoint":
+                    ax.set_xscale("log")
+                if any(row.get("curves") for row in rows.values()):
+                    _plot_quality(exp, rows, f"{stem}_{exp}.png", train_loss=exp == "zeropoint")
+                    out.append(f"{stem}_{exp}.png")
+            if any(v.get("sweep_delta") for v in (r.get("cast") or {}).values()):
+                _plot_cast(r["cast"], f"{stem}_cast.png")
+                out.append(f"{stem}_cast.png")
+            for label, b in (r.get("bitwidth") or {}).items():
+                if b["method"] == "gaussws":
+                    stats = dict(b["layers"], all={k: b[k] for k in ("share_le5", "share_le9", "share_le12")})
+                    _plot_bitwidth(stats, f"{stem}_bitwidth.png", f"{label}: learned b_t per layer (paper A Figure 5)")
+                    out.append(f"{stem}_bitwidth.png")
+                    break
+        if fig is None:
+            continue
+        fig.suptitle(title, fontsize=7)
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=110)
+        plt.close(fig)
+        out.append(stem + ".png")
+        print("wrote", stem + ".png")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+def add_quality_args(ap, skip=()):
+    """The `quality` flags, added to ap (a parser or an argument group); bench.py --only quality
+    shares them and defines the flags in `skip` (--dataset, --iters) itself."""
+    flags = {
+        "--dataset": dict(default="stdlib", help="train.py's --dataset"),
+        "--iters": dict(type=int, default=None, help="train.py --max_iters instead of --tokens_per_param"),
+        "--preset": dict(default="small", help="model preset"),
+        "--tokens_per_param": dict(type=float, default=20, help="run length"),
+        "--experiments": dict(default=",".join(QUALITY),
+                              help=f"comma list of {','.join(QUALITY)} (pqt adds the Table C cast "
+                                   "and the Figure 5 chart)"),
+        "--seeds": dict(default="0,1", help="comma list of seeds"),
+        "--jobs": dict(type=int, default=1,
+                       help="concurrent train.py subprocesses (spread over visible GPUs); 1 = train in this process"),
+        "--train_args": dict(default="",
+                             help='extra train.py flags for every run, e.g. "--batch_size 32 --block_size 256"; '
+                                  'a single flag needs the = form: --train_args=--no-compile'),
+        "--out_dir": dict(default=None, help="run folders and plots; default results/quality_[cpu_]<preset>"),
+        "--resume": dict(action="store_true",
+                         help="runs with a checkpoint in --out_dir continue (finished ones are reused)"),
+    }
+    for flag, kw in flags.items():
+        if flag not in skip:
+            ap.add_argument(flag, **kw)
+
+
+def run_quality(args, ap, tool, command):
+    """Check the `quality` flags of args (errors through ap.error, naming `tool`'s flags), run
+    bench_quality and save its JSON; exits non-zero when a run failed. Returns the result."""
+    exps = [x for x in args.experiments.split(",") if x]
+    bad = [x for x in exps if x not in QUALITY]
+    if bad or not exps:
+        ap.error(f"--experiments {args.experiments!r}: unknown {', '.join(bad) or '(empty)'}; "
+                 f"allowed: comma list of {', '.join(QUALITY)}")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r}: must be a comma list of integers >= 0, e.g. 0,1")
+    if min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds {args.seeds!r}: must be distinct integers >= 0 (each seed is one run folder)")
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: must be an integer >= 1")
+    if args.iters is not None and args.iters < 1:
+        ap.error(f"--iters {args.iters}: must be an integer >= 1 (steps per run)")
+    managed = {"--max_iters": "--iters", "--tokens_per_param": "--tokens_per_param", "--seed": "--seeds",
+               "--method": "--experiments", "--optim": "--experiments", "--out_dir": "--out_dir",
+               "--resume": "--resume", "--preset": "--preset", "--dataset": "--dataset"}
+    try:
+        train_tokens = shlex.split(args.train_args)
+    except ValueError as e:
+        ap.error(f"--train_args {args.train_args!r}: {e} (quote it as one shell word)")
+    for tok in train_tokens:
+        flag = tok.split("=")[0]
+        if flag in managed:
+            ap.error(f"--train_args {args.train_args!r}: {flag} is set per run by {tool}; "
+                     f"use {tool}'s {managed[flag]}")
+    length = ["--max_iters", str(args.iters)] if args.iters else ["--tokens_per_param", str(args.tokens_per_param)]
+    out_dir = args.out_dir or f"results/quality_{'' if torch.cuda.is_available() else 'cpu_'}{args.preset}"
+    res = bench_quality(["--preset", args.preset, "--dataset", args.dataset, *length, *train_tokens],
+                        seeds=seeds, out_dir=out_dir, experiments={k: QUALITY[k] for k in exps},
+                        jobs=args.jobs, resume=args.resume, command=command)
+    # an explicit --out_dir keeps its JSON there; the default goes to results/ by GPU and date
+    save("quality", res, os.path.join(args.out_dir, "quality.json") if args.out_dir else None)
+    if res["failed_runs"]:
+        raise SystemExit(f"{len(res['failed_runs'])} quality run(s) failed: {', '.join(res['failed_runs'])}")
+    return res
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="experiments.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{quality,plots}")
+    add_quality_args(sub.add_parser("quality", help="train the QUALITY experiments and compare their losses"))
+    p = sub.add_parser("plots", help="a PNG beside each result JSON")
+    p.add_argument("paths", nargs="*", help="result JSON files (default: results/*.json)")
+    return ap
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command == "plots":
+        plot_results(args.paths or sorted(glob.glob(os.path.join("results", "*.json"))))
+    else:
+        run_quality(args, ap, "experiments.py", "python experiments.py " + shlex.join(argv))
+
+
+if __name__ == "__main__":
+    main()
