@@ -1,39 +1,51 @@
 """
-Gaussian weight sampling (GaussWS) for pseudo-quantization training (PQT) — paper A (Ahn & Yoo 2025,
-arXiv:2505.11170); equation and section numbers below are the paper's.
+Gaussian weight sampling (GaussWS) for pseudo-quantization training (PQT): paper A (Ahn & Yoo 2025,
+arXiv:2505.11170). Equation, section, proposition and table numbers below are the paper's.
 
-A linear layer samples its weight at every training call (eq. 3):
+The math
+--------
+eq. 3    A linear layer samples its weight at every training call, in square 32×32 tiles
+         (b_l = 32, §3.6; edge tiles are partial when m or n is not a multiple of 32):
 
-    w_hat = w + R ⊙ broadcast_32( max_32(|w|) · 2^(1 − b_t) )
+             w_hat = w + R ⊙ broadcast_32( max_32(|w|) · 2^(1 − b_t) )
 
-with square 32×32 tiles (b_l = 32: eq. 3, §3.6), a learnable per-tile bitwidth
-b_t = b_target + b_i·(b_init − b_target) (eq. 11, §3.6, b_i initialised to 1; b_target <= b_init;
-sampling clamps b_t to [B_MIN, B_MAX] = [1, 24], see there) and noise R ≈ round(N(0,1)/2)
-in {−2..2} made from random bits with AND/OR only (eq. 10, §3.4). Gradients follow eq. 4
-(∂max/∂w ≈ 0):
+eq. 4    Gradients, treating ∂max/∂w ≈ 0 (R in backward must be the forward's, bit for bit):
 
-    ∂L/∂w = ∂L/∂w_hat,    ∂L/∂b_t = −ln2 · max_32(|w|) · 2^(1−b_t) · sum_32(∂L/∂w_hat ⊙ R)
+             ∂L/∂w = ∂L/∂w_hat,    ∂L/∂b_t = −ln2 · max_32(|w|) · 2^(1−b_t) · sum_32(∂L/∂w_hat ⊙ R)
 
-Implementation, as in §3.5: three steps, not fused.
+eq. 10   R ≈ round(N(0,1)/2) in {−2..2}, built from random bits with AND and OR only (§3.4):
+         P(±2) = 3/4·2^−9, P(±1) = (3/4)²·2^−2·(1 − P(|R|=2)), P(0) = the rest. §3.4 gives the
+         law and the AND/OR rules, not a bit assignment; ours takes 16 bits b0..b15 per element:
+         sign = b0; |R| = 2 iff (b1|b2)&b3&..&b10; else |R| = 1 iff (b11|b12)&(b13|b14)&b15.
+eq. 11   b_t = b_target + b_i·(b_init − b_target): one learnable b_i per tile, initialised to 1
+         (§3.6); weight decay on b_i pulls b_t from b_init down to b_target (b_target <= b_init).
+         Sampling uses clamp(b_t, B_MIN, B_MAX) = [1, 24] (why: see B_MIN).
+eq. 12   Optional loss term λ · Σ_layers mean_tiles |b_t − b_target| (`bitwidth_penalty`).
+Table C  The smallest floating-point format that holds a tile (§3.3, Prop. 3–4): b_t ≤ 5 →
+         FP8 e3m4, ≤ 9 → FP12 e4m7, ≤ 12 → FP16 e5m10 (`fp_tier`, `cast_to_tiers`).
+
+The kernels (§3.5)
+------------------
+The paper runs three separate steps; `fused=False` does exactly that:
   (1) `generate_noise`: Philox4x32-10 (key = layer key, counter = (word index, call counter))
-      gives 4×32 random bits per packed word, 16 per element, through our AND/OR recipe for the
-      law of eq. 10 (§3.4 gives the law and the AND/OR rules, not a bit assignment): sign = b0;
-      |R|=2 iff (b1|b2)&b3&..&b10; else |R|=1 iff (b11|b12)&(b13|b14)&b15. Element j
-      takes its 16 bits from nibble j of the 4 words, so whole-word AND/OR/shift ops evaluate the
-      recipe for all 8 elements at once and leave the result in the packed layout: sign-magnitude,
-      4 bits per element, 8 per int32 (element j of a group in bits [4j, 4j+4)), shape
-      (m, ceil(n/8)).
-  (2) `apply_noise`: one Triton kernel per 32-row × (BT·32)-column block reads w (any float dtype),
-      computes the tile maxima in registers (partial edge tiles are masked), unpacks R, adds
-      R·tilemax·2^(1−b_t) and writes w_hat (BF16 by default) plus the tile maxima (for backward).
-  (3) the matmul: plain `F.linear(x, w_hat, bias)`.
-The backward regenerates R from the forward's seed (bit-identical: same counter-based Philox) and
-one kernel computes sum_32(∂L/∂w_hat ⊙ R) and writes ∂L/∂w. A fused variant (`fused=True`) makes R
-inside the apply / grad kernels instead of going through the packed tensor.
+      gives 4×32 random bits per packed word, 16 per element. Element j takes its 16 bits from
+      nibble j of the 4 words, so whole-word AND/OR/shift ops evaluate the eq. 10 recipe for all
+      8 elements at once and leave R packed: sign-magnitude, 4 bits per element, 8 per int32
+      (element j of a group in bits [4j, 4j+4)), shape (m, ceil(n/8)).
+  (2) `apply_noise`: one Triton program per 32-row × (BT·32)-column block reads w (any float
+      dtype), computes the tile maxima in registers (partial edge tiles are masked), unpacks R,
+      adds R·tilemax·2^(1−b_t) and writes w_hat (BF16 by default) and the tile maxima (kept for
+      backward).
+  (3) The matmul: plain `F.linear(x, w_hat, bias)`.
+The backward regenerates R from the forward's seed (counter-based Philox gives the same bits) and
+one kernel writes ∂L/∂w and tilemax · sum_32(∂L/∂w_hat ⊙ R).
+`fused=True` (the default of `GaussWSLinear` and `apply_pqt`) leaves out step (1): the apply and
+grad kernels draw R from Philox themselves, the same R bit for bit, so no packed R goes through
+memory.
 
-Every kernel has a plain-PyTorch reference here (`impl="torch"`) with identical math: Philox is
-re-implemented with int64 tensor ops, so the reference generator gives the same bits, the same
-packed R and the same w_hat (bit-exact for GaussWS, where R·scale is exact) as the kernels.
+Every kernel has a plain-PyTorch twin here (`impl="torch"`), placed right before it, with the same
+math and the same names: Philox runs on int64 tensors, so the reference gives the same bits, the
+same packed R and the same w_hat (bit-exact for GaussWS, where R·scale is exact) as the kernels.
 `impl="auto"` picks Triton for CUDA tensors and the reference for CPU tensors; `impl="triton"` on
 CPU tensors needs TRITON_INTERPRET=1 (that is how the tests run the kernels).
 
@@ -56,6 +68,11 @@ generate+apply per backward).
 Baselines: DiffQ-style PQT (method="diffq"): same eq. 3 with R ~ U(−0.5, 0.5) stored in BF16
 (2 B/element of temporary noise), and Box–Muller (method="bm", `generate_noise` only): R =
 round(N(0,1)/2) from Philox + Box–Muller, packed like ours (the paper's "bm" kernel baseline).
+
+Layout: argument checks → Triton helpers → eq. 10 (R) → eq. 3 (apply) → eq. 4 (backward) →
+the differentiable sample (`gaussws_sample`, `pqt_linear`) → seeds (§3.6) → bitwidths
+(eq. 11–12) → `GaussWSLinear` → `apply_pqt` → Figure 5 statistics and Table C tiers → Table C
+casting. Each kernel sits right after its torch twin, followed by its wrapper.
 """
 import math
 import os
@@ -89,17 +106,8 @@ LLAMA_PARTS = ("q", "k", "v", "out", "gate", "up", "down")
 ALL_PARTS = tuple(dict.fromkeys(GPT2_PARTS + LLAMA_PARTS))
 W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # weight dtypes the kernels read
 
-# Safe range of b_t. Sampling uses clamp(b_t, B_MIN, B_MAX); eq. 11 is exact inside the range and
-# b_init, b_target must lie in it. Below 1 bit the PQN step max_32|w|·2^(1−b_t) exceeds the tile
-# max (the noise swamps the weight), and far below it 2^(1−b_t) overflows to inf and 0·inf gives
-# NaN. Above 24 bits the step is below one float32 ulp of the tile max, far past any format of
-# Table C (FP16 e5m10 holds b_t <= 12) and of BF16 (§3.3: b_t < 9): more bits change nothing.
-# A clamped tile gets no ∂L/∂b_t (clamp's gradient is 0 outside the range, 1 inside and at the
-# ends), so the loss cannot push it further out; weight decay on b_i and `bitwidth_penalty`
-# (which see the unclamped eq. 11 value) still pull it back toward b_target, inside the range.
-B_MIN, B_MAX = 1.0, 24.0
-
-# launch configuration: best of the sweep at 8192² on an H200 (`python bench.py --only noise`, 2026-11-30)
+# launch configuration of the kernels (block sizes, warps): chosen by the
+# `python bench.py --only noise` sweep
 CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4, grad_warps=4,
               fused_bt=4, fused_warps=4)
 
@@ -156,24 +164,6 @@ def _check_seed(seed, also=""):
     return seed
 
 
-def _check_bits(b_init, b_target):
-    """b_init, b_target: numbers (not bool) in [B_MIN, B_MAX] with b_target <= b_init (eq. 11:
-    b_t starts at b_init, b_i = 1, and weight decay on b_i moves it to b_target). Equal values are
-    allowed: b_t = b_target for every b_i (fixed-bitwidth PQT, b_i gets zero gradient)."""
-    for name, v in (("b_init", b_init), ("b_target", b_target)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not B_MIN <= v <= B_MAX:
-            raise ValueError(f"{name}={v!r} must be a number of bits in [{B_MIN:g}, {B_MAX:g}]")
-    if b_target > b_init:
-        raise ValueError(f"b_target={b_target!r} > b_init={b_init!r}: need b_target <= b_init (eq. 11: "
-                         "b_t = b_target + b_i·(b_init − b_target) starts at b_init, decays to b_target)")
-
-
-def _pow2(b_t):
-    """2^(1 − clamp(b_t, B_MIN, B_MAX)) in float32, contiguous (the PQN scale of eq. 3). Autograd:
-    d/d b_t = −ln2 · 2^(1−b_t) inside the range (eq. 4), 0 outside."""
-    return torch.exp2(1.0 - b_t.float().clamp(B_MIN, B_MAX)).contiguous()
-
-
 def _seed_tensor(seed, device):
     """int seed s -> int64 tensor [s, 0] (key s, call counter 0); an int64 tensor [key, counter]
     passes through (moved to `device`)."""
@@ -196,8 +186,51 @@ def _resolve_impl(impl, t):
     return impl
 
 
+def _check_module(model, fn):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
+
+
 # ----------------------------------------------------------------------------------------------
-# plain-PyTorch reference (Philox4x32-10 from philox.py)
+# Triton helpers shared by the kernels
+
+def _launch(kernel):
+    """The kernel itself in eager code (Triton's own launcher); wrap_triton(kernel) while
+    torch.compile traces a triton_op (a dispatch mode is active), so Inductor records the kernel
+    in its graph. wrap_triton in eager code would add a dispatch, costlier than the launch itself,
+    to every launch."""
+    return kernel if _get_current_dispatch_mode() is None else wrap_triton(kernel)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """float32 -> dtype with round-to-nearest-even. BF16 is rounded with integer ops (the GPU's
+    cvt.rn gives the same bits; Triton's interpreter would truncate), NaN stays NaN."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        b = tl.where(x != x, 0x7FC0, b)
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif dtype == tl.float32:
+        return x
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _interleave8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """[..., k] x 8 -> [..., 8k + j] = v_j[..., k] (tl.interleave appends the lowest index bit)."""
+    x0 = tl.interleave(v0, v4)
+    x1 = tl.interleave(v2, v6)
+    x2 = tl.interleave(v1, v5)
+    x3 = tl.interleave(v3, v7)
+    return tl.interleave(tl.interleave(x0, x1), tl.interleave(x2, x3))
+
+
+# ==============================================================================================
+# eq. 10: the noise R (§3.4; step (1) of §3.5)
+# ----------------------------------------------------------------------------------------------
+# Philox4x32-10 words of packed word p: counter (p, call counter), key = the layer key
 
 def _philox_words_torch(seed, idx):
     """4 random uint32 words (int64 tensors) for counters idx (int64) under seed=[key, counter]."""
@@ -206,6 +239,24 @@ def _philox_words_torch(seed, idx):
     return philox_torch(idx & _M32, (idx >> 32) & _M32, z + (ctr & _M32), z + ((ctr >> 32) & _M32),
                         key & _M32, (key >> 32) & _M32)
 
+
+@triton.jit
+def _philox_words(seed_ptr, p):
+    """4 uint32 words for int32 counters p (word index) under seed = [key, counter] at seed_ptr:
+    the Triton twin of `_philox_words_torch`."""
+    key = tl.load(seed_ptr)
+    ctr = tl.load(seed_ptr + 1)
+    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = p.to(tl.uint32)
+    z = c0 * 0
+    c2 = z + (ctr & 0xFFFFFFFF).to(tl.uint32)
+    c3 = z + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return philox(c0, z, c2, c3, k0, k1, 10)
+
+
+# ----------------------------------------------------------------------------------------------
+# the eq. 10 recipe on 4 Philox words: 8 elements at once, the result already packed
 
 def _recipe_torch(r0, r1, r2, r3):
     """Our eq. 10 recipe for 8 elements at once (SWAR over nibble lanes). Element j of a packed word
@@ -223,6 +274,29 @@ def _recipe_torch(r0, r1, r2, r3):
     is1 = p & (p >> 2) & (r0 >> 3) & lane           # (b11|b12)&(b13|b14)&b15  P = 9/32
     sign = r0 & (is1 | is2)
     return (sign << 3) | (is2 << 1) | (is1 & (is2 ^ lane))
+
+
+@triton.jit
+def _recipe(r0, r1, r2, r3):
+    """Our eq. 10 recipe on uint32 words: the Triton twin of `_recipe_torch` (same ops, same
+    names), the only Triton copy; every kernel that makes GaussWS R calls it via `_packed_words`."""
+    LANE: tl.constexpr = 0x11111111
+    o12 = (r0 >> 1) | (r0 >> 2)
+    t = r1 & r2
+    t = t & (t >> 2)
+    t = t & (t >> 1)
+    is2 = o12 & t & LANE
+    p = r3 | (r3 >> 1)
+    is1 = p & (p >> 2) & (r0 >> 3) & LANE
+    sign = r0 & (is1 | is2)
+    return (sign << 3) | (is2 << 1) | (is1 & (is2 ^ LANE))
+
+
+@triton.jit
+def _packed_words(seed_ptr, p):
+    """Packed GaussWS R for word indices p: Philox, then the recipe."""
+    r0, r1, r2, r3 = _philox_words(seed_ptr, p)
+    return _recipe(r0, r1, r2, r3)
 
 
 def bits_of_element(r0, r1, r2, r3, j):
@@ -244,6 +318,9 @@ def noise_from_bits_reference(bits16):
     return torch.where(b[0] == 1, -mag, mag).to(torch.int8)
 
 
+# ----------------------------------------------------------------------------------------------
+# packing: sign-magnitude, 4 bits per element, 8 elements per int32
+
 def _to_int32(v):
     """int64 tensor with uint32 values -> int32 with the same bits."""
     return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
@@ -251,7 +328,8 @@ def _to_int32(v):
 
 def pack_noise(r):
     """Pack R (int tensor (m, n), values in [-7, 7]) sign-magnitude, 4 bits/element, 8 elements
-    per int32 word, element j of a group in bits [4j, 4j+4). Returns int32 (m, ceil(n/8))."""
+    per int32 word, element j of a group in bits [4j, 4j+4). Returns int32 (m, ceil(n/8)).
+    Raises ValueError unless r is 2-D."""
     if r.dim() != 2:
         raise ValueError(f"r must be 2-D, got shape {tuple(r.shape)}")
     m, n = r.shape
@@ -262,7 +340,8 @@ def pack_noise(r):
 
 
 def unpack_noise(packed, n):
-    """Inverse of `pack_noise`: int32 (m, ceil(n/8)) -> int8 R of shape (m, n)."""
+    """Inverse of `pack_noise`: int32 (m, ceil(n/8)) -> int8 R of shape (m, n). Raises ValueError
+    unless packed is a 2-D int32 tensor with ceil(n/8) words per row."""
     if packed.dtype != torch.int32 or packed.dim() != 2:
         raise ValueError(f"packed must be a 2-D int32 tensor, got {packed.dtype} {tuple(packed.shape)}")
     if packed.shape[1] != -(-n // 8):
@@ -273,118 +352,13 @@ def unpack_noise(packed, n):
     return r.reshape(packed.shape[0], -1)[:, :n].to(torch.int8)
 
 
-def _generate_torch(m, n, seed, method):
-    n8 = -(-n // 8)
-    if method == "gaussws":
-        idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
-        return _to_int32(_recipe_torch(*_philox_words_torch(seed, idx))).view(m, n8)
-    if method == "diffq":  # 16 random bits per element -> U(-0.5, 0.5), exact in fp32, then BF16
-        idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
-        r = _philox_words_torch(seed, idx)
-        h = torch.stack([(r[i // 2] >> (16 * (i % 2))) & 0xFFFF for i in range(8)], -1)  # (words, 8)
-        u = (h.to(torch.float32) + 0.5) * 2.0 ** -16 - 0.5
-        return u.to(torch.bfloat16).view(m, n8 * 8)[:, :n].contiguous()
-    # "bm": two Philox calls per packed word (counters 2p, 2p+1), Box–Muller, R = round(z/2)
-    idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
-    zs = []
-    for a in range(2):
-        r = _philox_words_torch(seed, 2 * idx + a)
-        for j in range(2):
-            u1 = (r[2 * j].to(torch.float32) + 1.0) * 2.0 ** -32
-            u2 = r[2 * j + 1].to(torch.float32) * 2.0 ** -32
-            rad = torch.sqrt(-2.0 * torch.log(u1))
-            zs += [rad * torch.cos(6.283185307179586 * u2), rad * torch.sin(6.283185307179586 * u2)]
-    z = torch.stack(zs, -1)                                            # (words, 8)
-    rr = torch.floor(z * 0.5 + 0.5).clamp(-7, 7).to(torch.int64)
-    return pack_noise(rr.view(m, n8 * 8))
-
-
-def _tile_max_torch(w):
-    m, n = w.shape
-    tm, tn = tile_grid(m, n)
-    a = F.pad(w.float().abs(), (0, tn * TILE - n, 0, tm * TILE - m))  # |w| >= 0: zero pad is neutral
-    return a.view(tm, TILE, tn, TILE).amax(dim=(1, 3))
-
-
-def _broadcast_tiles(t, m, n):
-    return t.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)[:m, :n]
-
-
-def _noise_values_torch(noise, method, n):
-    return unpack_noise(noise, n).float() if method == "gaussws" else noise.float()
-
-
-def _apply_torch(w, noise, pow2, method, out_dtype):
-    m, n = w.shape
-    tmax = _tile_max_torch(w)
-    scale = _broadcast_tiles(tmax * pow2.float(), m, n)
-    w_hat = (w.float() + _noise_values_torch(noise, method, n) * scale).to(out_dtype)
-    return w_hat, tmax
-
-
-def _grad_torch(g, noise, tmax, method, w_dtype):
-    m, n = g.shape
-    tm, tn = tmax.shape
-    gr = F.pad(g.float() * _noise_values_torch(noise, method, n), (0, tn * TILE - n, 0, tm * TILE - m))
-    return g.to(w_dtype, copy=True), tmax * gr.view(tm, TILE, tn, TILE).sum(dim=(1, 3))
-
-
 # ----------------------------------------------------------------------------------------------
-# Triton kernels
+# generation, one method at a time: torch reference, then Triton kernel
 
-@triton.jit
-def _philox_words(seed_ptr, p):
-    """4 uint32 words for int32 counters p (word index) under seed = [key, counter] at seed_ptr."""
-    key = tl.load(seed_ptr)
-    ctr = tl.load(seed_ptr + 1)
-    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    c0 = p.to(tl.uint32)
-    z = c0 * 0
-    c2 = z + (ctr & 0xFFFFFFFF).to(tl.uint32)
-    c3 = z + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    return philox(c0, z, c2, c3, k0, k1, 10)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """float32 -> dtype with round-to-nearest-even. BF16 is rounded with integer ops (the GPU's
-    cvt.rn gives the same bits; Triton's interpreter would truncate), NaN stays NaN."""
-    if dtype == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        b = tl.where(x != x, 0x7FC0, b)
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    elif dtype == tl.float32:
-        return x
-    else:
-        return x.to(dtype)
-
-
-@triton.jit
-def _packed_words(seed_ptr, p):
-    """Packed GaussWS R for word indices p: Philox + the recipe (Triton twin of `_recipe_torch`)."""
-    r0, r1, r2, r3 = _philox_words(seed_ptr, p)
-    LANE: tl.constexpr = 0x11111111
-    o12 = (r0 >> 1) | (r0 >> 2)
-    t = r1 & r2
-    t = t & (t >> 2)
-    t = t & (t >> 1)
-    is2 = o12 & t & LANE
-    q = r3 | (r3 >> 1)
-    is1 = q & (q >> 2) & (r0 >> 3) & LANE
-    sign = r0 & (is1 | is2)
-    return (sign << 3) | (is2 << 1) | (is1 & (is2 ^ LANE))
-
-
-@triton.jit
-def _interleave8(v0, v1, v2, v3, v4, v5, v6, v7):
-    """[..., k] x 8 -> [..., 8k + j] = v_j[..., k] (tl.interleave appends the lowest index bit)."""
-    x0 = tl.interleave(v0, v4)
-    x1 = tl.interleave(v2, v6)
-    x2 = tl.interleave(v1, v5)
-    x3 = tl.interleave(v3, v7)
-    return tl.interleave(tl.interleave(x0, x1), tl.interleave(x2, x3))
+def _gen_gaussws_torch(m, n, seed):
+    n8 = -(-n // 8)
+    idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
+    return _to_int32(_recipe_torch(*_philox_words_torch(seed, idx))).view(m, n8)
 
 
 @triton.jit
@@ -392,6 +366,16 @@ def _gen_gaussws_kernel(out_ptr, seed_ptr, n_words, BLOCK: tl.constexpr):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     packed = _packed_words(seed_ptr, p)
     tl.store(out_ptr + p, packed.to(tl.int32, bitcast=True), mask=p < n_words)
+
+
+def _gen_diffq_torch(m, n, seed):
+    """16 random bits per element -> U(-0.5, 0.5), exact in fp32, then BF16."""
+    n8 = -(-n // 8)
+    idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
+    r = _philox_words_torch(seed, idx)
+    h = torch.stack([(r[i // 2] >> (16 * (i % 2))) & 0xFFFF for i in range(8)], -1)  # (words, 8)
+    u = (h.to(torch.float32) + 0.5) * 2.0 ** -16 - 0.5
+    return u.to(torch.bfloat16).view(m, n8 * 8)[:, :n].contiguous()
 
 
 @triton.jit
@@ -411,6 +395,23 @@ def _gen_diffq_kernel(out_ptr, seed_ptr, M, N, N8, BLOCK: tl.constexpr):
     row = e // (8 * N8)
     col = e % (8 * N8)
     tl.store(out_ptr + row * N + col, u, mask=(row < M) & (col < N))
+
+
+def _gen_bm_torch(m, n, seed):
+    """Two Philox calls per packed word (counters 2p, 2p+1), Box–Muller, R = round(z/2)."""
+    n8 = -(-n // 8)
+    idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
+    zs = []
+    for a in range(2):
+        r = _philox_words_torch(seed, 2 * idx + a)
+        for j in range(2):
+            u1 = (r[2 * j].to(torch.float32) + 1.0) * 2.0 ** -32
+            u2 = r[2 * j + 1].to(torch.float32) * 2.0 ** -32
+            rad = torch.sqrt(-2.0 * torch.log(u1))
+            zs += [rad * torch.cos(6.283185307179586 * u2), rad * torch.sin(6.283185307179586 * u2)]
+    z = torch.stack(zs, -1)                                            # (words, 8)
+    rr = torch.floor(z * 0.5 + 0.5).clamp(-7, 7).to(torch.int64)
+    return pack_noise(rr.view(m, n8 * 8))
 
 
 @triton.jit
@@ -441,6 +442,65 @@ def _gen_bm_kernel(out_ptr, seed_ptr, n_words, BLOCK: tl.constexpr):
     tl.store(out_ptr + p, packed.to(tl.int32, bitcast=True), mask=p < n_words)
 
 
+# ----------------------------------------------------------------------------------------------
+# wrappers
+
+def _generate_torch(m, n, seed, method):
+    """R for an (m, n) weight in plain PyTorch: packed int32 (m, ceil(n/8)) for "gaussws" and
+    "bm", BF16 (m, n) for "diffq"."""
+    if method == "gaussws":
+        return _gen_gaussws_torch(m, n, seed)
+    if method == "diffq":
+        return _gen_diffq_torch(m, n, seed)
+    return _gen_bm_torch(m, n, seed)
+
+
+def _generate_triton(m, n, seed, method, block=None, num_warps=None):
+    n8 = -(-n // 8)
+    n_words = m * n8
+    block = block or CONFIG["gen_block"]
+    num_warps = num_warps or CONFIG["gen_warps"]
+    grid = (triton.cdiv(n_words, block),)
+    if method == "diffq":
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=seed.device)
+        _launch(_gen_diffq_kernel)[grid](out, seed, m, n, n8, BLOCK=block, num_warps=num_warps)
+        return out
+    out = torch.empty(m, n8, dtype=torch.int32, device=seed.device)
+    kernel = _gen_gaussws_kernel if method == "gaussws" else _gen_bm_kernel
+    _launch(kernel)[grid](out, seed, n_words, BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def generate_noise(shape, seed, method="gaussws", impl="auto", device=None):
+    """Step (1) of §3.5: noise R for a weight of `shape` = (m, n).
+
+    seed: int (key, counter 0) or int64 tensor [key, counter]. method: "gaussws" (eq. 10, packed
+    int32 (m, ceil(n/8)), 4 bits/element), "bm" (round(N(0,1)/2) by Box–Muller, same packing,
+    benchmark baseline) or "diffq" (U(-0.5, 0.5) as BF16 (m, n)). The same seed gives the same
+    R for impl "torch" and "triton" (bit-exact for "gaussws" and "diffq"; "bm" uses
+    transcendental functions whose last bits differ across backends). device: where R is made
+    (default: the seed tensor's device, else CPU).
+    Raises ValueError/TypeError on a bad shape, seed, method or impl."""
+    _check_choice("method", method, GEN_METHODS)
+    if len(shape) != 2 or min(shape) < 1:
+        raise ValueError(f"shape must be (m, n) with m, n >= 1, got {tuple(shape)}")
+    m, n = int(shape[0]), int(shape[1])
+    if m * n >= 2 ** 31:
+        raise ValueError(f"shape {shape} has {m * n} elements; at most 2**31 - 1 are supported")
+    dev = device if device is not None else (seed.device if isinstance(seed, torch.Tensor) else "cpu")
+    seed = _seed_tensor(seed, dev)
+    if _resolve_impl(impl, seed) == "triton":
+        return _generate_triton(m, n, seed, method)
+    return _generate_torch(m, n, seed, method)
+
+
+# ----------------------------------------------------------------------------------------------
+# R as the eq. 3 / eq. 4 code reads it: float32 values, unpacked (torch, then Triton)
+
+def _noise_values_torch(noise, method, n):
+    return unpack_noise(noise, n).float() if method == "gaussws" else noise.float()
+
+
 @triton.jit
 def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE: tl.constexpr):
     """R as float32 for a (32, BT, 32) block. NOISE: 0 = packed GaussWS R read from memory,
@@ -460,6 +520,34 @@ def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE: tl.conste
     return r
 
 
+def _noise_mode(method, fused):
+    """The NOISE code of `_noise_block` for a method and the fused flag."""
+    return 1 if method == "diffq" else (2 if fused else 0)
+
+
+# ==============================================================================================
+# eq. 3: w_hat = w + R ⊙ broadcast_32(max_32(|w|) · 2^(1 − b_t))  (step (2) of §3.5)
+
+def _pow2(b_t):
+    """2^(1 − clamp(b_t, B_MIN, B_MAX)) in float32, contiguous (the PQN scale of eq. 3). Autograd:
+    d/d b_t = −ln2 · 2^(1−b_t) inside the range (eq. 4), 0 outside."""
+    return torch.exp2(1.0 - b_t.float().clamp(B_MIN, B_MAX)).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# max_32(|w|) and broadcast_32: torch, then Triton
+
+def _tile_max_torch(w):
+    m, n = w.shape
+    tm, tn = tile_grid(m, n)
+    a = F.pad(w.float().abs(), (0, tn * TILE - n, 0, tm * TILE - m))  # |w| >= 0: zero pad is neutral
+    return a.view(tm, TILE, tn, TILE).amax(dim=(1, 3))
+
+
+def _broadcast_tiles(t, m, n):
+    return t.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)[:m, :n]
+
+
 @triton.jit
 def _tile_block(M, N, BT: tl.constexpr):
     """Indices of one program's block: 32 rows x BT tiles of 32 columns, as (32, BT, 32) so that
@@ -471,68 +559,60 @@ def _tile_block(M, N, BT: tl.constexpr):
 
 
 @triton.jit
-def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, M, N, N8, TN,
-                  NOISE: tl.constexpr, BT: tl.constexpr):
-    """Step (2) of §3.5: one program = 32 rows × BT tiles. w_hat = w + R·tilemax·2^(1-b_t)."""
-    ti, row, col, mask = _tile_block(M, N, BT)
-    w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
-    tmax = tl.max(tl.max(tl.abs(w), axis=2), axis=0)                  # (BT,), edge tiles masked
-    tmask = ti < TN
-    pow2 = tl.load(pow2_ptr + tl.program_id(0) * TN + ti, mask=tmask, other=0.0)
-    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
-    w_hat = w + r * (tmax * pow2)[None, :, None]
-    tl.store(out_ptr + row * N + col, _cast(w_hat, out_ptr.dtype.element_ty), mask=mask)
-    tl.store(tmax_ptr + tl.program_id(0) * TN + ti, tmax, mask=tmask)
-
-
-@triton.jit
-def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, M, N, N8, TN,
-                 NOISE: tl.constexpr, BT: tl.constexpr):
-    """eq. 4: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R)."""
-    ti, row, col, mask = _tile_block(M, N, BT)
-    g = tl.load(g_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dw_ptr + row * N + col, _cast(g, dw_ptr.dtype.element_ty), mask=mask)
-    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
-    s = tl.sum(tl.sum(g * r, axis=2), axis=0)
-    tidx = tl.program_id(0) * TN + ti
-    tmask = ti < TN
-    tmax = tl.load(tmax_ptr + tidx, mask=tmask, other=0.0)
-    tl.store(dpow2_ptr + tidx, tmax * s, mask=tmask)
+def _tile_absmax(w):
+    """max_32(|w|) of a (32, BT, 32) block: (BT,) (masked-out elements loaded as 0 are neutral)."""
+    return tl.max(tl.max(tl.abs(w), axis=2), axis=0)
 
 
 @triton.jit
 def _tilemax_kernel(w_ptr, out_ptr, M, N, TN, BT: tl.constexpr):
     ti, row, col, mask = _tile_block(M, N, BT)
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
-    tmax = tl.max(tl.max(tl.abs(w), axis=2), axis=0)
+    tmax = _tile_absmax(w)
     tl.store(out_ptr + tl.program_id(0) * TN + ti, tmax, mask=ti < TN)
 
 
-def _launch(kernel):
-    """The kernel itself in eager code (Triton's launcher, ~20 us); wrap_triton(kernel) while
-    torch.compile traces a triton_op (a dispatch mode is active), so Inductor records the
-    kernel in its graph. wrap_triton in eager code would cost ~0.2 ms of dispatch per launch."""
-    return kernel if _get_current_dispatch_mode() is None else wrap_triton(kernel)
-
-
-def _generate_triton(m, n, seed, method, block=None, num_warps=None):
-    n8 = -(-n // 8)
-    n_words = m * n8
-    block = block or CONFIG["gen_block"]
-    num_warps = num_warps or CONFIG["gen_warps"]
-    grid = (triton.cdiv(n_words, block),)
-    if method == "diffq":
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=seed.device)
-        _launch(_gen_diffq_kernel)[grid](out, seed, m, n, n8, BLOCK=block, num_warps=num_warps)
-        return out
-    out = torch.empty(m, n8, dtype=torch.int32, device=seed.device)
-    kernel = _gen_gaussws_kernel if method == "gaussws" else _gen_bm_kernel
-    _launch(kernel)[grid](out, seed, n_words, BLOCK=block, num_warps=num_warps)
+def tile_max(w, impl="auto"):
+    """max_32(|w|) of eq. 3 for w (m, n) float32/bfloat16/float16: float32 tensor of the tile grid
+    shape (ceil(m/32), ceil(n/32)); edge tiles are partial (the max over the elements that exist).
+    Raises TypeError / ValueError on a bad w or impl."""
+    _check_weight(w)
+    w = w.contiguous()
+    if _resolve_impl(impl, w) == "torch":
+        return _tile_max_torch(w)
+    m, n = w.shape
+    tm, tn = tile_grid(m, n)
+    out = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
+    bt = CONFIG["apply_bt"]
+    _tilemax_kernel[(tm, triton.cdiv(tn, bt))](w, out, m, n, tn, BT=bt, num_warps=CONFIG["apply_warps"])
     return out
 
 
-def _noise_mode(method, fused):
-    return 1 if method == "diffq" else (2 if fused else 0)
+# ----------------------------------------------------------------------------------------------
+# the apply: torch, then Triton, then the wrappers
+
+def _apply_torch(w, noise, pow2, method, out_dtype):
+    """eq. 3 in plain PyTorch: (w_hat in out_dtype, tile maxima float32)."""
+    m, n = w.shape
+    tmax = _tile_max_torch(w)
+    scale = _broadcast_tiles(tmax * pow2.float(), m, n)
+    w_hat = (w.float() + _noise_values_torch(noise, method, n) * scale).to(out_dtype)
+    return w_hat, tmax
+
+
+@triton.jit
+def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, M, N, N8, TN,
+                  NOISE: tl.constexpr, BT: tl.constexpr):
+    """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t)."""
+    ti, row, col, mask = _tile_block(M, N, BT)
+    w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
+    tmax = _tile_absmax(w)                                             # (BT,), edge tiles masked
+    tmask = ti < TN
+    pow2 = tl.load(pow2_ptr + tl.program_id(0) * TN + ti, mask=tmask, other=0.0)
+    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
+    w_hat = w + r * (tmax * pow2)[None, :, None]
+    tl.store(out_ptr + row * N + col, _cast(w_hat, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(tmax_ptr + tl.program_id(0) * TN + ti, tmax, mask=tmask)
 
 
 def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None):
@@ -549,65 +629,14 @@ def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_w
     return w_hat, tmax
 
 
-def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None):
-    m, n = g.shape
-    tm, tn = tmax.shape
-    mode = _noise_mode(method, fused)
-    key = "fused" if mode == 2 else "grad"
-    bt, num_warps = bt or CONFIG[key + "_bt"], num_warps or CONFIG[key + "_warps"]
-    dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
-    dpow2 = torch.empty(tm, tn, dtype=torch.float32, device=g.device)
-    r = g if mode == 2 else noise
-    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
-                                            NOISE=mode, BT=bt, num_warps=num_warps)
-    return dw, dpow2
-
-
-# ----------------------------------------------------------------------------------------------
-# public functional API (non-differentiable steps)
-
-def generate_noise(shape, seed, method="gaussws", impl="auto", device=None):
-    """Step (1): noise R for a weight of `shape` = (m, n).
-
-    seed: int (key, counter 0) or int64 tensor [key, counter]. method: "gaussws" (eq. 10, packed
-    int32 (m, ceil(n/8)), 4 bits/element), "bm" (round(N(0,1)/2) by Box–Muller, same packing,
-    benchmark baseline) or "diffq" (U(-0.5, 0.5) as BF16 (m, n)). The same seed gives the same
-    R for impl "torch" and "triton" (bit-exact for "gaussws" and "diffq"; "bm" uses
-    transcendental functions whose last bits differ across backends).
-    Raises ValueError/TypeError on a bad shape, seed, method or impl."""
-    _check_choice("method", method, GEN_METHODS)
-    if len(shape) != 2 or min(shape) < 1:
-        raise ValueError(f"shape must be (m, n) with m, n >= 1, got {tuple(shape)}")
-    m, n = int(shape[0]), int(shape[1])
-    if m * n >= 2 ** 31:
-        raise ValueError(f"shape {shape} has {m * n} elements; at most 2**31 - 1 are supported")
-    dev = device if device is not None else (seed.device if isinstance(seed, torch.Tensor) else "cpu")
-    seed = _seed_tensor(seed, dev)
-    if _resolve_impl(impl, seed) == "triton":
-        return _generate_triton(m, n, seed, method)
-    return _generate_torch(m, n, seed, method)
-
-
-def tile_max(w, impl="auto"):
-    """max_32(|w|): float32 tensor of the tile grid shape (ceil(m/32), ceil(n/32)); edge tiles
-    are partial (the max over the elements that exist)."""
-    _check_weight(w)
-    w = w.contiguous()
-    if _resolve_impl(impl, w) == "torch":
-        return _tile_max_torch(w)
-    m, n = w.shape
-    tm, tn = tile_grid(m, n)
-    out = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
-    bt = CONFIG["apply_bt"]
-    _tilemax_kernel[(tm, triton.cdiv(tn, bt))](w, out, m, n, tn, BT=bt, num_warps=CONFIG["apply_warps"])
-    return out
-
-
 def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl="auto"):
-    """Step (2), eq. 3 without autograd: returns (w_hat (m, n) in out_dtype, tilemax float32 tiles).
+    """Step (2) of §3.5, eq. 3 without autograd: returns (w_hat (m, n) in out_dtype, tile maxima
+    float32 (ceil(m/32), ceil(n/32))).
 
     w: (m, n) float32/bfloat16/float16 (non-contiguous is copied); noise: from `generate_noise`
-    with the same method; b_t: tile-grid tensor of bitwidths (clamped to [B_MIN, B_MAX])."""
+    with the same method (int32 (m, ceil(n/8)) for "gaussws", BF16 (m, n) for "diffq"); b_t:
+    tile-grid tensor of bitwidths (clamped to [B_MIN, B_MAX]).
+    Raises TypeError / ValueError on a bad w, b_t, noise shape, method or impl."""
     _check_choice("method", method, METHODS)
     _check_weight(w)
     _check_tiles(b_t, w, "b_t")
@@ -622,11 +651,52 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
     return _apply_triton(w, noise.contiguous(), pow2, None, method, out_dtype, False)
 
 
-# ----------------------------------------------------------------------------------------------
-# autograd (eq. 4) as torch.library triton ops: eager calls run them as functions; under
-# torch.compile Inductor sees the Triton kernels inside and launches them from its own generated
-# code (a plain custom op would cost a Python dispatch and Triton launch per layer and call,
-# which made a compiled GPT-2 step ~17 % slower on the H200 than the kernels' GPU time explains)
+# ==============================================================================================
+# eq. 4: backward. ∂L/∂w = ∂L/∂w_hat; the kernels give ∂L/∂(2^(1−b_t)) = tilemax · sum_32(g ⊙ R),
+# and autograd through `_pow2` multiplies by −ln2 · 2^(1−b_t)
+
+def _grad_torch(g, noise, tmax, method, w_dtype):
+    """eq. 4 in plain PyTorch: (∂L/∂w in w_dtype, ∂L/∂(2^(1−b_t)) float32 tiles)."""
+    m, n = g.shape
+    tm, tn = tmax.shape
+    gr = F.pad(g.float() * _noise_values_torch(noise, method, n), (0, tn * TILE - n, 0, tm * TILE - m))
+    return g.to(w_dtype, copy=True), tmax * gr.view(tm, TILE, tn, TILE).sum(dim=(1, 3))
+
+
+@triton.jit
+def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, M, N, N8, TN,
+                 NOISE: tl.constexpr, BT: tl.constexpr):
+    """eq. 4 in Triton: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R)."""
+    ti, row, col, mask = _tile_block(M, N, BT)
+    g = tl.load(g_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dw_ptr + row * N + col, _cast(g, dw_ptr.dtype.element_ty), mask=mask)
+    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
+    s = tl.sum(tl.sum(g * r, axis=2), axis=0)
+    tidx = tl.program_id(0) * TN + ti
+    tmask = ti < TN
+    tmax = tl.load(tmax_ptr + tidx, mask=tmask, other=0.0)
+    tl.store(dpow2_ptr + tidx, tmax * s, mask=tmask)
+
+
+def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None):
+    m, n = g.shape
+    tm, tn = tmax.shape
+    mode = _noise_mode(method, fused)
+    key = "fused" if mode == 2 else "grad"
+    bt, num_warps = bt or CONFIG[key + "_bt"], num_warps or CONFIG[key + "_warps"]
+    dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
+    dpow2 = torch.empty(tm, tn, dtype=torch.float32, device=g.device)
+    r = g if mode == 2 else noise
+    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
+                                            NOISE=mode, BT=bt, num_warps=num_warps)
+    return dw, dpow2
+
+
+# ==============================================================================================
+# the differentiable sample: eq. 3 forward, eq. 4 backward, as torch.library triton ops. Eager
+# calls run them as plain functions; under torch.compile Inductor sees the Triton kernels inside
+# and launches them from its own generated code (a plain custom op would cost a Python dispatch
+# and a Triton launch per layer and call)
 
 def _regenerate(m, n, seed, method, impl, fused):
     """R for a call, from its seed (forward and backward alike): the torch reference, packed R
@@ -665,10 +735,10 @@ def _pqn_setup_context(ctx, inputs, output):
 
 
 def _pqn_backward(ctx, g_w_hat, g_tmax):
-    # the op's and _PQNSample's backward: the grad op where is_compiling() is true (torch 2.13
-    # while AOTAutograd traces a compiled backward), else the plain function, whose launches go
-    # through wrap_triton under a tracing mode (_launch), so a compiled backward is right either
-    # way (H200, torch 2.11, where is_compiling() is false there: compiled grads = eager grads)
+    # the op's and _PQNSample's backward: the grad op where is_compiling() is true (as in torch
+    # 2.13 while AOTAutograd traces a compiled backward), else the plain function, whose launches
+    # go through wrap_triton under a tracing mode (_launch); so a compiled backward is right
+    # either way, also with torch versions where is_compiling() is false there
     tmax, seed = ctx.saved_tensors
     dw, dpow2 = _pqn_ops()[1](g_w_hat, tmax, seed, *ctx.args)
     return dw, dpow2, None, None, None, None, None
@@ -679,9 +749,9 @@ _pqn_sample_op.register_autograd(_pqn_backward, setup_context=_pqn_setup_context
 
 class _PQNSample(torch.autograd.Function):
     """Eager twin of gaussws::pqn_sample: the same functions, the same backward. In eager mode a
-    torch.library op call costs ~0.2 ms of host time (dispatch, autograd wrapper) against ~0.02
-    ms here; at ~600 calls per step a 3B model's eager GaussWS step was host-bound on the H200
-    (GPU time equal to BF16's, wall +25 %). torch.compile traces the op instead (_pqn_sample)."""
+    torch.library op call costs far more host time (dispatch, autograd wrapper) than this
+    autograd.Function, and a model makes one such call per layer and step, enough to make a large
+    model's eager step host-bound. torch.compile traces the op instead (_pqn_sample)."""
 
     generate_vmap_rule = True   # torch.func.vmap over a layer worked through the op; keep it working
 
@@ -761,12 +831,14 @@ def _compute_dtype(x):
 
 
 def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="auto", fused=False):
-    """Linear layer with a sampled weight: F.linear(x, w_hat, bias), w_hat from eq. 3.
+    """Linear layer with a sampled weight: F.linear(x, w_hat, bias), w_hat from eq. 3, gradients
+    of eq. 4.
 
     x: (..., n), float32/bfloat16/float16; w: (m, n); b_t: tile grid of w (clamped to [B_MIN, B_MAX]
     as in `gaussws_sample`); bias: (m,) or None; seed as in `gaussws_sample`. w_hat is made in the
     compute dtype (the autocast dtype when autocast is on — BF16 in training — else x.dtype).
     memory="save": autograd keeps w_hat (paper, +2 B/param); "recompute": rebuilt in backward.
+    Returns y (..., m).
     Raises TypeError (x or w dtype, seed type) / ValueError (shapes, memory, method, impl, seed)."""
     _check_choice("memory", memory, MEMORY_MODES)
     impl, seed = _check_sample_args(w, b_t, method, impl, seed)
@@ -784,8 +856,8 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
         return _RecomputeLinear.apply(xb, w.contiguous(), pow2, seed, b, method, impl, fused)
 
 
-# ----------------------------------------------------------------------------------------------
-# module API
+# ==============================================================================================
+# seeds (§3.6): a layer's key and call counter; the counter advances once per training call
 
 @triton.jit
 def _next_seed_kernel(state_ptr, out_ptr):
@@ -828,6 +900,53 @@ def _in_backward_pass():
     return f is not None and f() != -1
 
 
+# ==============================================================================================
+# bitwidths (eq. 11–12)
+
+# Safe range of b_t. Sampling uses clamp(b_t, B_MIN, B_MAX); eq. 11 is exact inside the range and
+# b_init, b_target must lie in it. Below 1 bit the PQN step max_32|w|·2^(1−b_t) exceeds the tile
+# max (the noise swamps the weight), and far below it 2^(1−b_t) overflows to inf and 0·inf gives
+# NaN. Above 24 bits the step is below one float32 ulp of the tile max, far past any format of
+# Table C (FP16 e5m10 holds b_t <= 12) and of BF16 (§3.3: b_t < 9): more bits change nothing.
+# A clamped tile gets no ∂L/∂b_t (clamp's gradient is 0 outside the range, 1 inside and at the
+# ends), so the loss cannot push it further out; weight decay on b_i and `bitwidth_penalty`
+# (which see the unclamped eq. 11 value) still pull it back toward b_target, inside the range.
+B_MIN, B_MAX = 1.0, 24.0
+
+
+def _check_bits(b_init, b_target):
+    """b_init, b_target: numbers (not bool) in [B_MIN, B_MAX] with b_target <= b_init (eq. 11:
+    b_t starts at b_init, b_i = 1, and weight decay on b_i moves it to b_target). Equal values are
+    allowed: b_t = b_target for every b_i (fixed-bitwidth PQT, b_i gets zero gradient)."""
+    for name, v in (("b_init", b_init), ("b_target", b_target)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not B_MIN <= v <= B_MAX:
+            raise ValueError(f"{name}={v!r} must be a number of bits in [{B_MIN:g}, {B_MAX:g}]")
+    if b_target > b_init:
+        raise ValueError(f"b_target={b_target!r} > b_init={b_init!r}: need b_target <= b_init (eq. 11: "
+                         "b_t = b_target + b_i·(b_init − b_target) starts at b_init, decays to b_target)")
+
+
+def _bitwidth(b_i, b_init, b_target):
+    """eq. 11: b_t = b_target + b_i·(b_init − b_target), float32, not clamped."""
+    return b_target + b_i.float() * (b_init - b_target)
+
+
+def bitwidth_penalty(model):
+    """Σ_layers mean_tiles |b_t − b_target| (the λ term of eq. 12; the trainer multiplies by λ),
+    on the unclamped eq. 11 b_t so it also pulls tiles that left [B_MIN, B_MAX] back toward
+    b_target. Scalar float32 tensor, differentiable w.r.t. every b_i; 0 (an empty sum) when the
+    model has no PQT layer. TypeError if model is not an nn.Module."""
+    _check_module(model, "bitwidth_penalty")
+    terms = [(m.b_t - m.b_target).abs().mean() for _, m in pqt_layers(model)]
+    if not terms:
+        p = next(model.parameters(), None)
+        return torch.zeros((), device=p.device if p is not None else "cpu")
+    return torch.stack(terms).sum()
+
+
+# ==============================================================================================
+# the layer
+
 class GaussWSLinear(nn.Linear):
     """Drop-in nn.Linear whose weight is sampled by eq. 3 in training mode (paper A).
 
@@ -837,8 +956,8 @@ class GaussWSLinear(nn.Linear):
     int in [0, 2**63), this layer's seed (its Philox key is splitmix64(seed)); memory "save"
     (paper: w_hat kept in BF16 for backward) or "recompute" (w_hat rebuilt in backward); impl
     "auto"|"torch"|"triton"; fused: generate R inside the apply/grad kernels (GaussWS, Triton;
-    default, faster at every measured shape, same R and same w_hat bits); fused=False is the
-    paper's 3-kernel design (§3.5); dtype: float32 (default), bfloat16 or float16.
+    default: faster, see `python bench.py --only noise`; same R and same w_hat bits); fused=False
+    is the paper's 3-kernel design (§3.5); dtype: float32 (default), bfloat16 or float16.
     Raises ValueError / TypeError (float64 or other dtypes, seed type) at construction.
 
     Parameters: weight (out, in) and bias as nn.Linear, `b_i` (ceil(out/32), ceil(in/32)) init 1
@@ -873,7 +992,7 @@ class GaussWSLinear(nn.Linear):
     def b_t(self):
         """Tile bitwidths, exactly eq. 11 (not clamped; sampling clamps to [B_MIN, B_MAX]),
         float32, differentiable w.r.t. b_i."""
-        return self.b_target + self.b_i.float() * (self.b_init - self.b_target)
+        return _bitwidth(self.b_i, self.b_init, self.b_target)
 
     def _next_seed(self):
         if not self.training:
@@ -895,6 +1014,9 @@ class GaussWSLinear(nn.Linear):
                 f"b_target={self.b_target}, memory={self.memory}")
 
 
+# ==============================================================================================
+# apply_pqt: where PQT is applied ("method[part]" of paper A's experiments)
+
 def _parse_parts(parts):
     """-> list of part names; "all" -> ALL_PARTS (every part this model kind has), "od" -> out, down."""
     if not isinstance(parts, str):
@@ -909,11 +1031,6 @@ def _parse_parts(parts):
         raise ValueError(f"parts={parts!r}: unknown part(s) {bad or [parts]}; allowed: 'all', 'od' "
                          f"or a comma list of {', '.join(ALL_PARTS)}")
     return names
-
-
-def _check_module(model, fn):
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def apply_pqt(model, method="gaussws", parts="all", b_init=6, b_target=4, seed=0, memory="save",
@@ -972,23 +1089,20 @@ def pqt_layers(model):
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GaussWSLinear)]
 
 
-def bitwidth_penalty(model):
-    """Σ_layers mean_tiles |b_t − b_target| (the λ term of eq. 12; the trainer multiplies by λ),
-    on the unclamped eq. 11 b_t so it also pulls tiles that left [B_MIN, B_MAX] back toward
-    b_target. Scalar float32 tensor, differentiable w.r.t. every b_i; 0 (an empty sum) when the
-    model has no PQT layer. TypeError if model is not an nn.Module."""
-    _check_module(model, "bitwidth_penalty")
-    terms = [(m.b_t - m.b_target).abs().mean() for _, m in pqt_layers(model)]
-    if not terms:
-        p = next(model.parameters(), None)
-        return torch.zeros((), device=p.device if p is not None else "cpu")
-    return torch.stack(terms).sum()
+# ==============================================================================================
+# Figure 5 statistics and the Table C tiers (§3.3, Prop. 3–4)
+
+# (largest b_t, format name, exponent bits, mantissa bits) of each Table C tier, narrowest first;
+# the only place the b_t -> format thresholds are written. Tiles above the last limit are wider
+# than FP16 (">FP16").
+FP_TIERS = ((5, "FP8 e3m4", 3, 4), (9, "FP12 e4m7", 4, 7), (12, "FP16 e5m10", 5, 10))
 
 
 def fp_tier(b_t):
-    """Smallest floating-point format of Table C (Prop. 4) that holds a bitwidth: b_t ≤ 5 → FP8
-    e3m4, ≤ 9 → FP12 e4m7, ≤ 12 → FP16 e5m10, else wider than FP16."""
-    for limit, name in ((5, "FP8 e3m4"), (9, "FP12 e4m7"), (12, "FP16 e5m10")):
+    """Smallest floating-point format of Table C (Prop. 4) that holds a bitwidth b_t (a number):
+    the first tier of FP_TIERS whose limit is >= b_t (b_t ≤ 5 → "FP8 e3m4", ≤ 9 → "FP12 e4m7",
+    ≤ 12 → "FP16 e5m10"), else ">FP16"."""
+    for limit, name, _, _ in FP_TIERS:
         if b_t <= limit:
             return name
     return ">FP16"
@@ -1008,7 +1122,7 @@ def _stats(bt, cnt):
     std = ((bt - mean) ** 2 * cnt).sum().div(tot).sqrt()
     out = dict(mean=mean.item(), std=std.item(), min=bt.min().item(), max=bt.max().item(),
                params=int(tot.item()))
-    for lim in (5, 9, 12):
+    for lim, _, _, _ in FP_TIERS:
         out[f"share_le{lim}"] = (cnt[bt <= lim].sum() / tot).item()
     out["tier"] = fp_tier(out["max"])
     return out
@@ -1019,7 +1133,8 @@ def bitwidth_stats(model):
     [B_MIN, B_MAX] (as in the forward), parameter-weighted (edge tiles count their real size).
 
     Returns {layer name: {mean, std, min, max, params, share_le5, share_le9, share_le12, tier}}
-    plus the key "all" aggregating every PQT layer; `tier` is the Table C format for the max.
+    plus the key "all" aggregating every PQT layer; `tier` is the Table C format for the max
+    (`fp_tier`), the share_le keys are the FP_TIERS limits.
     Raises TypeError if model is not an nn.Module and ValueError if it has no GaussWSLinear layer
     (statistics of no tiles are undefined; train.py only calls it after apply_pqt replaced some)."""
     _check_module(model, "bitwidth_stats")
@@ -1036,3 +1151,94 @@ def bitwidth_stats(model):
         cnts.append(cnt.flatten())
     out["all"] = _stats(torch.cat(bts), torch.cat(cnts))
     return out
+
+
+# ==============================================================================================
+# Table C: casting sampled weights to FP formats (§3.3, Prop. 3–4)
+
+# The same layers of every model cast to one format, mantissa 4 down to 1 bit: Prop. 3 gives
+# w_hat a (b_t - 2)-bit mantissa, so b_target = 4 calls for e3m2 -- a coarser grid than the FP8
+# tier, where a model trained without noise should lose more than one trained with it.
+CAST_SWEEP = ((3, 4), (3, 3), (3, 2), (3, 1))
+
+
+def _fp_limits(exp_bits, man_bits, inf_nan=True):
+    """(emin, emax, largest finite) of a binary FP format with bias 2^(exp_bits-1) - 1."""
+    bias = 2 ** (exp_bits - 1) - 1
+    emax = 2 ** exp_bits - (2 if inf_nan else 1) - bias
+    return 1 - bias, emax, (2 - 2.0 ** -man_bits) * 2.0 ** emax
+
+
+def cast_fp(x, exp_bits, man_bits, inf_nan=True):
+    """Round x (float tensor, any shape/device) to the nearest value of the binary floating-point
+    format with `exp_bits` exponent and `man_bits` mantissa bits, ties to even, with subnormals;
+    magnitudes beyond the largest finite value (and +-inf) saturate to it. The format has
+    exponent bias 2^(exp_bits-1) - 1; inf_nan=True reserves the all-ones exponent for inf/NaN as
+    IEEE 754 does (the Table C formats count "a range for NaN/Inf", Prop. 4: e5m10 = IEEE FP16,
+    e3m4, e4m7), inf_nan=False uses it for finite values (OCP FP4 E2M1: 0, 0.5, 1, 1.5, 2, 3, 4,
+    6). NaN stays NaN. Returns the values in x's dtype (exact for float32 and float64 inputs; the
+    rounding is done in float64).
+    Raises ValueError unless exp_bits is an int in [1, 8] and man_bits an int in [0, 23]
+    (exp_bits 1 needs inf_nan=False)."""
+    for name, v, lo, hi in (("exp_bits", exp_bits, 1, 8), ("man_bits", man_bits, 0, 23)):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"cast_fp: {name}={v!r} must be an int in [{lo}, {hi}]")
+    if exp_bits == 1 and inf_nan:
+        raise ValueError("cast_fp: exp_bits=1 with inf_nan=True leaves no finite normal exponent; "
+                         "use inf_nan=False")
+    emin, _, top = _fp_limits(exp_bits, man_bits, inf_nan)
+    a = x.detach().double().abs()
+    _, ex = torch.frexp(a)                    # a = f * 2^ex, f in [0.5, 1): exponent = ex - 1
+    step = torch.exp2((ex - 1).clamp(min=emin).double() - man_bits)   # grid spacing in a's binade
+    q = (torch.round(a / step) * step).clamp(max=top)                 # torch.round: half to even
+    return torch.where(torch.isnan(a), a, q).copysign(x.detach().double()).to(x.dtype)
+
+
+def _tile_grid_of(t, m, n):
+    """Broadcast a per-tile tensor (ceil(m/32), ceil(n/32)) to (m, n) (broadcast_32 of eq. 3)."""
+    return _broadcast_tiles(t, m, n)
+
+
+def cast_tiles(w, exp_bits, man_bits):
+    """Every 32x32 tile of w (m, n) cast to FP(exp_bits, man_bits) with its own power-of-two scale
+    (MX-style shared exponent): the tile's absmax lands in the format's top binade, so the largest
+    magnitude stays representable (to the format's precision; at most it saturates to the largest
+    finite value) and the format's exponent range spans downward from it, as Prop. 4 counts it.
+    All-zero tiles stay zero. Returns a new tensor of w's dtype. Raises ValueError on a format
+    `cast_fp` rejects."""
+    m, n = w.shape
+    tm, tn = tile_grid(m, n)
+    pad = torch.zeros(tm * TILE, tn * TILE, dtype=torch.float64, device=w.device)
+    pad[:m, :n] = w.detach().abs()
+    amax = pad.view(tm, TILE, tn, TILE).amax(dim=(1, 3))
+    _, ex = torch.frexp(amax)
+    emax = _fp_limits(exp_bits, man_bits)[1]
+    scale = _tile_grid_of(torch.where(amax > 0, torch.exp2((ex - 1 - emax).double()), 1.0), m, n)
+    return (cast_fp(w.detach().double() / scale, exp_bits, man_bits) * scale).to(w.dtype)
+
+
+@torch.no_grad()
+def cast_to_tiers(model):
+    """In place: the weight of every GaussWSLinear of `model` cast tile by tile to the Table C
+    format its bitwidth calls for (b_t of eq. 11 clamped to [B_MIN, B_MAX], as sampling uses it),
+    by the tier rule of `fp_tier` (FP_TIERS: first tier whose limit is >= b_t); tiles above the
+    last limit keep their weights (">FP16").
+    Returns {format name: share of those layers' weight parameters}, ">FP16" for the kept ones.
+    Raises TypeError if model is not an nn.Module (and ZeroDivisionError if it has no
+    GaussWSLinear layer: there is no share of no parameters)."""
+    counts = {name: 0 for _, name, _, _ in FP_TIERS} | {">FP16": 0}
+    for _, layer in pqt_layers(model):
+        w = layer.weight
+        m, n = w.shape
+        bt = _tile_grid_of(layer.b_t.detach().clamp(B_MIN, B_MAX), m, n)
+        out, lo = w.detach().clone(), -math.inf
+        for limit, name, e, mb in FP_TIERS:       # fp_tier's rule: tier k holds lo < b_t <= limit
+            mask = (bt > lo) & (bt <= limit)
+            if mask.any():
+                out = torch.where(mask, cast_tiles(w, e, mb), out)
+            counts[name] += int(mask.sum())
+            lo = limit
+        counts[">FP16"] += int((bt > lo).sum())
+        w.copy_(out)
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.items()}
