@@ -255,91 +255,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
 # ---------------------------------------------------------------------------------------------
 # experiment 5: cast trained tiles to the FP formats of paper A Table C (and Figure 5's bitwidths)
 
-# (largest b_t, name as gaussws.fp_tier gives it, exponent bits, mantissa bits): paper A §3.3,
-# Prop. 4 and Table C; tiles above 12 bits keep their FP32 weights.
-FP_TIERS = ((5, "FP8 e3m4", 3, 4), (9, "FP12 e4m7", 4, 7), (12, "FP16 e5m10", 5, 10))
-# The same layers of every model cast to one format, mantissa 4 down to 1 bit: Prop. 3 gives
-# w_hat a (b_t - 2)-bit mantissa, so b_target = 4 calls for e3m2 -- a coarser grid than the FP8
-# tier, where a model trained without noise should lose more than one trained with it.
-CAST_SWEEP = ((3, 4), (3, 3), (3, 2), (3, 1))
-
-
-def _fp_limits(exp_bits, man_bits, inf_nan=True):
-    """(emin, emax, largest finite) of a binary FP format with bias 2^(exp_bits-1) - 1."""
-    bias = 2 ** (exp_bits - 1) - 1
-    emax = 2 ** exp_bits - (2 if inf_nan else 1) - bias
-    return 1 - bias, emax, (2 - 2.0 ** -man_bits) * 2.0 ** emax
-
-
-def cast_fp(x, exp_bits, man_bits, inf_nan=True):
-    """Round x (float tensor, any shape/device) to the nearest value of the binary floating-point
-    format with `exp_bits` exponent and `man_bits` mantissa bits, ties to even, with subnormals;
-    magnitudes beyond the largest finite value (and +-inf) saturate to it. The format has
-    exponent bias 2^(exp_bits-1) - 1; inf_nan=True reserves the all-ones exponent for inf/NaN as
-    IEEE 754 does (the Table C formats of paper A count "a range for NaN/Inf", Prop. 4:
-    e5m10 = IEEE FP16, e3m4, e4m7), inf_nan=False uses it for finite values (OCP FP4 E2M1:
-    0, 0.5, 1, 1.5, 2, 3, 4, 6). NaN stays NaN. Returns the values in x's dtype (exact for float32
-    and float64 inputs; the rounding is done in float64).
-    Raises ValueError unless exp_bits is an int in [1, 8] and man_bits an int in [0, 23]
-    (exp_bits 1 needs inf_nan=False)."""
-    for name, v, lo, hi in (("exp_bits", exp_bits, 1, 8), ("man_bits", man_bits, 0, 23)):
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise ValueError(f"cast_fp: {name}={v!r} must be an int in [{lo}, {hi}]")
-    if exp_bits == 1 and inf_nan:
-        raise ValueError("cast_fp: exp_bits=1 with inf_nan=True leaves no finite normal exponent; "
-                         "use inf_nan=False")
-    emin, _, top = _fp_limits(exp_bits, man_bits, inf_nan)
-    a = x.detach().double().abs()
-    _, ex = torch.frexp(a)                    # a = f * 2^ex, f in [0.5, 1): exponent = ex - 1
-    step = torch.exp2((ex - 1).clamp(min=emin).double() - man_bits)   # grid spacing in a's binade
-    q = (torch.round(a / step) * step).clamp(max=top)                 # torch.round: half to even
-    return torch.where(torch.isnan(a), a, q).copysign(x.detach().double()).to(x.dtype)
-
-
-def _tile_grid_of(t, m, n):
-    """Broadcast a per-tile tensor (ceil(m/32), ceil(n/32)) to (m, n)."""
-    return t.repeat_interleave(g.TILE, 0)[:m].repeat_interleave(g.TILE, 1)[:, :n]
-
-
-def cast_tiles(w, exp_bits, man_bits):
-    """Every 32x32 tile of w (m, n) cast to FP(exp_bits, man_bits) with its own power-of-two scale
-    (MX-style shared exponent): the tile's absmax lands in the format's top binade, so the largest
-    magnitude stays representable (to the format's precision; at most it saturates to the largest
-    finite value) and the format's exponent range spans downward from it, as Prop. 4 counts it.
-    All-zero tiles stay zero. Returns a new tensor of w's dtype."""
-    m, n = w.shape
-    tm, tn = g.tile_grid(m, n)
-    pad = torch.zeros(tm * g.TILE, tn * g.TILE, dtype=torch.float64, device=w.device)
-    pad[:m, :n] = w.detach().abs()
-    amax = pad.view(tm, g.TILE, tn, g.TILE).amax(dim=(1, 3))
-    _, ex = torch.frexp(amax)
-    emax = _fp_limits(exp_bits, man_bits)[1]
-    scale = _tile_grid_of(torch.where(amax > 0, torch.exp2((ex - 1 - emax).double()), 1.0), m, n)
-    return (cast_fp(w.detach().double() / scale, exp_bits, man_bits) * scale).to(w.dtype)
-
-
-@torch.no_grad()
-def cast_to_tiers(model):
-    """In place: the weight of every GaussWSLinear of `model` cast tile by tile to the paper A
-    Table C format its bitwidth calls for (b_t of eq. 11 clamped to [B_MIN, B_MAX], as sampling
-    uses it): b_t <= 5 -> FP8 e3m4, <= 9 -> FP12 e4m7, <= 12 -> FP16 e5m10, above: kept (FP32).
-    Returns {format name: share of those layers' weight parameters}, ">FP16" for the kept ones."""
-    counts = {name: 0 for _, name, _, _ in FP_TIERS} | {">FP16": 0}
-    for _, layer in g.pqt_layers(model):
-        w = layer.weight
-        m, n = w.shape
-        bt = _tile_grid_of(layer.b_t.detach().clamp(g.B_MIN, g.B_MAX), m, n)
-        out, lo = w.detach().clone(), -math.inf
-        for limit, name, e, mb in FP_TIERS:
-            mask = (bt > lo) & (bt <= limit)
-            if mask.any():
-                out = torch.where(mask, cast_tiles(w, e, mb), out)
-            counts[name] += int(mask.sum())
-            lo = limit
-        counts[">FP16"] += int((bt > lo).sum())
-        w.copy_(out)
-    total = sum(counts.values())
-    return {k: v / total for k, v in counts.items()}
+# The FP formats and the casts (FP_TIERS, CAST_SWEEP, cast_tiles, cast_to_tiers) live in gaussws.py.
 
 
 def load_run(run_dir, device="cpu"):
@@ -369,10 +285,10 @@ def load_run(run_dir, device="cpu"):
 
 def bench_cast(run_dirs, png=None, device=None):
     """Experiment 5 and paper A Figure 5 on finished runs [(label, run_dir)]: val loss of the
-    plain weights w before and after cast_to_tiers. GaussWS/DiffQ runs use each tile's learned b_t;
+    plain weights w before and after gaussws.cast_to_tiers. GaussWS/DiffQ runs use each tile's learned b_t;
     a BF16 run is the control: its same layers (--parts) are cast at the fixed b_target tier
     (does PQT training make the model more tolerant than plain training?). Each model's same
-    layers are also cast to every format of CAST_SWEEP in turn (from the trained weights).
+    layers are also cast to every format of gaussws.CAST_SWEEP in turn (from the trained weights).
     Returns (cast rows {label: {val_loss_before, val_loss_after, delta, tier_share, tiers,
     sweep_delta: {"e3m4": val loss change, ...}}},
     bitwidth {label: Figure 5 statistics of the learned b_t, gaussws.bitwidth_stats}); the first
@@ -398,15 +314,15 @@ def bench_cast(run_dirs, png=None, device=None):
         layers = [layer for _, layer in g.pqt_layers(model)]
         w0 = [layer.weight.detach().clone() for layer in layers]
         sweep = {}
-        for e, mb in CAST_SWEEP:
+        for e, mb in g.CAST_SWEEP:
             with torch.no_grad():
                 for layer, w in zip(layers, w0):
-                    layer.weight.copy_(cast_tiles(w, e, mb))
+                    layer.weight.copy_(g.cast_tiles(w, e, mb))
             sweep[f"e{e}m{mb}"] = val() - before
         with torch.no_grad():
             for layer, w in zip(layers, w0):
                 layer.weight.copy_(w)
-        share = cast_to_tiers(model)
+        share = g.cast_to_tiers(model)
         after = val()
         rows[label] = dict(val_loss_before=before, val_loss_after=after, delta=after - before,
                            tier_share=share, tiers=tiers, sweep_delta=sweep)
@@ -521,7 +437,7 @@ def _plot_bitwidth(stats, png, title):
 
 
 def _plot_cast(cast, png):
-    """Experiment 5: val-loss change after casting every PQT tile to each CAST_SWEEP format, one
+    """Experiment 5: val-loss change after casting every PQT tile to each gaussws.CAST_SWEEP format, one
     line per run label (the mean over its seeds, labels "<run> s<seed>"), log scale."""
     plt = _pyplot()
     rows = {k: v for k, v in cast.items() if v.get("sweep_delta")}
