@@ -1,28 +1,51 @@
 """
-AdamW with 4-bit optimizer states: ZIP-SR and ZE-EDEN (paper B), plus the TorchAO-style
-baseline and plain FP32 AdamW, in one torch.optim.Optimizer.
+AdamW with 4-bit optimizer states (paper B): ZIP-SR and ZE-EDEN, the TorchAO-style baseline and
+plain FP32 AdamW in one torch.optim.Optimizer, `AdamW4bit`.
 
-Storage (paper B, Def. 3): each moment is flattened into blocks of `block_size` (128)
-consecutive elements; a block keeps one FP32 scale s = max(absmax, 1e-12) and one 4-bit code per
-element, two codes per byte. Per moment 0.5 + 4/128 = 0.53125 B/param, both 1.0625 B/param
-instead of FP32 AdamW's 8.
+The file reads top to bottom: the math (below), the block quantizer, the reference step in plain
+PyTorch, the optimizer class, then the fused Triton kernel that does the same step, its helpers,
+its tables and its wrapper. The reference step and the kernel use the same names and mark the
+same lines with the tags below ("eq. 2.1a" etc.: the paper section or definition they come from).
 
-Update-before-storage (paper B, Sec. 2.1): the step decodes the stored moments, forms the working
-moments m~ = b1 Q(m~) + (1-b1) g and v~ = b2 Q(v~) + (1-b2) g², updates the parameter with the
-working (unquantized) moments, and only then quantizes them for storage.
+AdamW with update-before-storage (paper B, Sec. 2.1): the step decodes the stored moments Q(.),
+forms the working moments, updates the parameter with them (unquantized), then stores them:
+  [2.1a]  m~_t = b1 Q(m~_{t-1}) + (1-b1) g_t,        v~_t = b2 Q(v~_{t-1}) + (1-b2) g_t²
+  [2.1b]  w_t = (1 - lr wd) w_{t-1} - (lr / bc1) m~_t / r_t(v~_t),   bc1 = 1 - b1^t, bc2 = 1 - b2^t
+  [3.1]   r_t(v) = sqrt(v) / sqrt(bc2) + eps,        h_t(v) = 1 / r_t(v), the preconditioner
 
-Rounding (Appendix A.2): a rounding coordinate phi picks between the two adjacent levels a < b
-around x; p = (phi(b) - phi(x)) / (phi(b) - phi(a)) is the probability of writing a. RTN writes a
-iff p > 1/2 (a tie writes b; in state space: iff x < (a + b)/2 in float32), SR writes a iff u < p
-with u ~ U[0, 1). phi(v) = v is state space
-(State-RTN/SR); phi = h_t(v) = 1 / (sqrt(v)/sqrt(1-b2^t) + eps) is preconditioner space
-(Update-RTN/SR). Inputs outside [min C, max C] saturate: p > 1 or p < 0 does it without a branch.
+Block quantizer (Def. 3): flatten, cut into blocks of B = block_size (128) consecutive elements;
+per block
+  [D3]    s = max(max_i |x_i|, 1e-12) in FP32, levels C = s T of a normalized codebook T in [-1, 1],
+          one 4-bit code (level index) per element, two per byte.
+Per moment 0.5 + 4/128 = 0.53125 B/param, both 1.0625 B/param instead of FP32 AdamW's 8. A block
+is rounded normalized, y = x (1/s) (one float32 reciprocal per block), against T itself, so the
+kernel's tables are the same for every block.
 
-Blocks are normalized before rounding: y = x (1/s) (one float32 reciprocal per block) is rounded
-against the codebook T itself, so the kernel's tables are the same for every block.
+Rounding (Appendix A.2): a rounding coordinate phi picks between the adjacent levels a < b around x,
+  [A.2]   p = (phi(b) - phi(x)) / (phi(b) - phi(a)), the probability of writing a.
+RTN writes a iff p > 1/2 (a tie writes b; in state space: iff x < (a + b)/2 in float32);
+SR (Def. 5) writes a iff u < p, u ~ U[0, 1). State-RTN/SR round in phi(v) = v, Update-RTN/SR in
+phi = h_t (eq. 3.1; nonnegative codebooks only), where p = (r_b - r_x) r_a / ((r_b - r_a) r_x).
+Inputs outside [min C, max C] saturate: p > 1 or p < 0 does it without a branch.
 
-This file holds the plain-PyTorch reference (the specification, used on CPU and with
-impl="torch"); the fused Triton step lives beside it.
+ZIP-SR (Sec. 3.1) keeps zero in the v codebook (Dyn4) and rounds v with Update-SR. ZE-EDEN
+(Sec. 3.2) drops zero (Dyn4-NZ) and calibrates each v block's scale (EDEN):
+  [3.2]   stored scale = c s,  c = ||y||² / max(<y, T[code]>, 1e-12),  y = x (1/s)
+(c_tau = ||x||² / max(<x, Q(x)>, tau s²), tau = 1e-12, in normalized form; an all-zero block gets
+c = 0 and decodes to zero). Both store m in NF4 with RTN; the LM head's m switches to SR for the
+last 10 % of training (Sec. 4).
+
+Presets (paper B, Table 2), the `preset` argument of AdamW4bit:
+  "fp32"     plain AdamW, FP32 states
+  "torchao"  m: SDyn4 State-RTN                v: Lin4-NZ State-RTN
+  "zeeden"   m: NF4 RTN (LM head SR at 90 %)    v: Dyn4-NZ State-RTN + EDEN
+  "zipsr"    m: NF4 RTN (LM head SR at 90 %)    v: Dyn4 Update-SR
+Each component can be overridden (m_codebook, m_rounding, v_codebook, v_rounding, eden,
+lm_head_sr_after), one row of paper B Table 3 per call.
+
+impl="torch" runs the reference step (adamw4bit_step_torch), impl="triton" the fused kernel
+(adamw4bit_step_triton; CUDA, or CPU with TRITON_INTERPRET=1), impl="auto" the kernel on CUDA
+tensors and the reference otherwise. Both give the same bits given the same SR uniforms.
 """
 import math
 import os
@@ -34,44 +57,48 @@ import triton.language as tl
 from codebooks import get_codebook
 from philox import philox
 
-# --------------------------------------------------------------------------------------------
-# block quantizer (reference)
+# ============================================================================================
+# The block quantizer (reference): Def. 3, Appendix A.2, eq. 3.2
 
 ROUNDINGS = ("rtn", "sr")
 COORDS = ("state", "update")
 
 
 def sqrt_rn(x):
-    """Correctly rounded float32 sqrt (torch's vectorized CPU sqrt may be off by one ulp); the
-    float64 detour rounds correctly, so the reference and the kernel's sqrt_rn agree bit for bit."""
+    """Correctly rounded sqrt of a float tensor, same shape and dtype (torch's vectorized CPU
+    sqrt may be off by one ulp); the float64 detour rounds correctly, so the reference and the
+    kernel's tl.sqrt_rn agree bit for bit."""
     return x.double().sqrt().to(x.dtype)
-
-
-def _denominator(v, bias_correction2, eps, sqrt_v=None):
-    # r_t(v) = sqrt(v) / sqrt(1 - b2^t) + eps, the AdamW denominator, and h_t = 1 / r_t; written
-    # with the float32 reciprocal of sqrt(bc2) (a multiply, not a division). The 4-bit step and
-    # the quantizer's preconditioner coordinate share this one expression, so the kernel
-    # computes r_t(v~) once for both.
-    sqrt_v = sqrt_rn(v) if sqrt_v is None else sqrt_v
-    return sqrt_v * _f32(1 / math.sqrt(bias_correction2)) + eps
 
 
 def _f32(x):
     return torch.tensor(x, dtype=torch.float32).item()
 
 
+def _denominator(v, bias_correction2, eps, sqrt_v=None):
+    # eq. 3.1: r_t(v) = sqrt(v) / sqrt(1 - b2^t) + eps, the AdamW denominator, and h_t = 1 / r_t;
+    # written with the float32 reciprocal of sqrt(bc2) (a multiply, not a division). The 4-bit
+    # step and the quantizer's preconditioner coordinate share this one expression, so the
+    # kernel computes r_t(v~) once for both.
+    sqrt_v = sqrt_rn(v) if sqrt_v is None else sqrt_v
+    return sqrt_v * _f32(1 / math.sqrt(bias_correction2)) + eps
+
+
 def preconditioner(v, bias_correction2, eps):
-    """h_t(v) = 1 / (sqrt(v / (1 - b2^t)) + eps) (paper B, Sec. 3.1), elementwise, float32."""
+    """h_t(v) = 1 / (sqrt(v / (1 - b2^t)) + eps) (paper B, Sec. 3.1; eq. 3.1 here), elementwise.
+
+    v: float32 tensor (>= 0), any shape; bias_correction2 = 1 - b2^t; returns float32 like v."""
     return 1.0 / _denominator(v, bias_correction2, eps)
 
 
 def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, eps=1e-8, u=None,
                     r_x=None, r_scale=None):
-    """Round each x to one of its two adjacent levels; return int64 codes (level indices).
+    """Round each x to one of its two adjacent levels (paper B, Appendix A.2; eq. A.2 here);
+    return int64 codes (level indices) shaped like x.
 
     x:      float tensor (..., n), in the units of `levels` (quantize_blockwise passes y = x (1/s)).
     levels: 1-D float tensor (K,) sorted ascending, K >= 2, same dtype as x.
-    rule:   "rtn" or "sr" (paper B, Appendix A.2); coord: "state" (phi(v) = v) or "update"
+    rule:   "rtn" or "sr" (Def. 5); coord: "state" (phi(v) = v) or "update"
             (phi = h_t, nonnegative levels only).
     u:      uniforms in [0, 1) shaped like x, required for rule="sr".
     r_x, r_scale: update coordinate only. r_x = r_t of the unnormalized value (default r_t(x)),
@@ -80,7 +107,7 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
             one table read of sqrt(T[k]), a multiply and an add.
     State-RTN is the nearest level, with y >= (a + b) / 2 (float midpoint) rounding up; the
     others compare p = num/den as in the module docstring. Values outside [levels[0], levels[-1]]
-    saturate.
+    saturate. Arguments are not checked here (quantize_blockwise checks them).
     """
     K = levels.numel()
     if rule == "rtn" and coord == "state":
@@ -109,7 +136,8 @@ def _midpoints(levels):
 
 
 def pack_nibbles(codes):
-    """(N,) integer codes in [0, 16) -> (N/2,) uint8; element 2i in the low nibble, 2i+1 high."""
+    """(N,) integer codes in [0, 16) -> (N/2,) uint8; element 2i in the low nibble, 2i+1 high
+    (Def. 3: two codes per byte). N must be even."""
     c = codes.to(torch.uint8).view(-1, 2)
     return c[:, 0] | (c[:, 1] << 4)
 
@@ -144,7 +172,8 @@ def _check_quant_args(x, block_size, rule, coord, T, bias_correction2=1.0):
 
 def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
                        bias_correction2=1.0, eps=1e-8, eden=False, u=None, generator=None):
-    """Block-quantize a tensor to packed 4-bit codes and FP32 scales (paper B, Def. 3, App. A.2).
+    """Block-quantize a tensor to packed 4-bit codes and FP32 scales (paper B, Def. 3, App. A.2;
+    eq. D3, A.2 and, with eden=True, 3.2 here).
 
     x:        float tensor, any shape, numel a multiple of block_size; read as flat float32.
     codebook: name in codebooks.CODEBOOKS or a 1-D level tensor (normalized, sorted).
@@ -156,14 +185,15 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     u:        optional float32 uniforms in [0, 1) shaped like x for rule="sr" (else drawn with
               torch.rand(generator=generator)).
     Returns (packed uint8 (numel/2,), scales float32 (numel/block_size,)).
-    Raises ValueError on a bad block_size, rule, coord, codebook or a non-divisible numel.
+    Raises TypeError for a non-float x; ValueError on a bad block_size, rule, coord, codebook,
+    bias_correction2 or u, a non-divisible numel, or negative x with coord="update".
     """
     T = get_codebook(codebook).to(x.device)
     _check_quant_args(x, block_size, rule, coord, T, bias_correction2)
     xb = x.detach().reshape(-1, block_size).float()
     if coord == "update" and bool((xb < 0).any()):
         raise ValueError("coord='update' rounds second moments: x must be nonnegative")
-    s = xb.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    s = xb.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)       # eq. D3
     y = xb * (1 / s)                 # normalized to [-1, 1]: one reciprocal per block
     if rule == "sr" and u is None:
         u = torch.rand(xb.shape, device=xb.device, generator=generator)
@@ -175,9 +205,9 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     if coord == "update":
         r_x = _denominator(xb, bias_correction2, eps)
         r_scale = sqrt_rn(s) * _f32(1 / math.sqrt(bias_correction2))
-    codes = round_to_levels(y, T, rule, coord, bias_correction2, eps, u, r_x, r_scale)
+    codes = round_to_levels(y, T, rule, coord, bias_correction2, eps, u, r_x, r_scale)   # eq. A.2
     s = s.view(-1)
-    if eden:
+    if eden:                                                      # eq. 3.2
         q = T[codes]
         # float64 sums: the Triton kernel reduces in another order, and in float64 both round to
         # the same float32 c (the products y*y, y*q are float32 in both).
@@ -187,9 +217,11 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
 
 
 def dequantize_blockwise(packed, scales, codebook, block_size=128):
-    """Decode packed 4-bit codes: x[i] = scales[i // block_size] * T[code[i]]. Returns flat float32.
+    """Decode packed 4-bit codes (paper B, Def. 3): x[i] = scales[i // block_size] * T[code[i]].
 
-    packed: uint8 (N/2,); scales: float32 (N/block_size,). Raises ValueError on mismatched sizes.
+    packed: uint8 (N/2,); scales: float32 (N/block_size,); codebook as in quantize_blockwise.
+    Returns flat float32 (N,). Raises TypeError if packed is not uint8, ValueError on a bad
+    block_size or codebook, or sizes that do not describe one tensor.
     """
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
@@ -202,8 +234,132 @@ def dequantize_blockwise(packed, scales, codebook, block_size=128):
     return (scales[:, None] * T[codes].view(-1, block_size)).view(-1)
 
 
-# --------------------------------------------------------------------------------------------
-# the optimizer
+# quantization-error diagnostics (paper B, Sec. 4 and Appendix C)
+
+def radial_bias(m, m_q):
+    """Radial bias b_rad = <Q(m) - m, m> / ||m||² (paper B, Sec. 4); negative = inward.
+    m, m_q: float tensors of one shape (a moment and its decoded quantization). Returns a float."""
+    m, m_q = m.double().flatten(), m_q.double().flatten()
+    return ((m_q - m) @ m / (m @ m)).item()
+
+
+def relative_rms_error(x, x_q):
+    """Relative RMS quantization error ||Q(x) - x|| / ||x|| (paper B, Appendix C.4).
+    x, x_q: float tensors of one shape. Returns a float."""
+    x, x_q = x.double().flatten(), x_q.double().flatten()
+    return ((x_q - x).norm() / x.norm()).item()
+
+
+def nonzero_to_zero_fraction(x, x_q):
+    """Fraction of nonzero entries of x written as zero by Q (paper B, Appendix C.4).
+    x, x_q: tensors of one shape. Returns a float in [0, 1] (0 if x has no nonzero entry)."""
+    nz = x != 0
+    return ((x_q == 0) & nz).sum().item() / max(nz.sum().item(), 1)
+
+
+def update_relative_error(u_q, u_32):
+    """One-step relative update error ||u_4bit - u_32|| / ||u_32|| (paper B, Appendix C.3).
+    u_q, u_32: float tensors of one shape (4-bit and FP32 updates). Returns a float."""
+    return relative_rms_error(u_32, u_q)
+
+
+# ============================================================================================
+# The reference step (plain PyTorch): eq. 2.1a-b, then Def. 3 / App. A.2 / eq. 3.2 storage
+
+def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed, u=None):
+    """One AdamW step of one 4-bit-state tensor in plain PyTorch (paper B, Sec. 2.1: eq. 2.1a-b,
+    storage by Def. 3 / App. A.2, EDEN eq. 3.2): the specification adamw4bit_step_triton matches
+    bit for bit. Runs under torch.no_grad() (AdamW4bit.step's).
+
+    param:  float tensor, updated in place (math in float32, cast back); numel a multiple of
+            cfg["block_size"]. grad: float32 or bfloat16, param's shape.
+    state:  dict holding exp_avg, exp_avg_sq (packed codes, uint8 (numel/2,)) and exp_avg_scale,
+            exp_avg_sq_scale (float32 (numel/block_size,)); replaced by the stored new moments.
+    lr, b1, b2, eps, wd: AdamW's (floats); t: this step's number (>= 1, bias corrections).
+    cfg:    the quantizer configuration (AdamW4bit.qcfg: m_codebook, v_codebook, v_rounding,
+            eden, block_size). m_rounding: "rtn"|"sr", the first moment's rule this step.
+    seed:   seeds the generator of the SR uniforms (m's first, then v's); u: optional pair of
+            float32 tensors (u_m, u_v), numel each, replacing them (kernel tests).
+    Raises ValueError (from quantize_blockwise) on sizes or uniforms that do not fit.
+    """
+    B = cfg["block_size"]
+    g = grad.reshape(-1).float()
+    # eq. 2.1a, the working moments from the decoded states: b1 Q(m) is decoded as
+    # T[code] (b1 s), the beta joining the per-block scale (one multiply per block)
+    b1s, b2s = state["exp_avg_scale"] * b1, state["exp_avg_sq_scale"] * b2
+    m = dequantize_blockwise(state["exp_avg"], b1s, cfg["m_codebook"], B) + g * (1 - b1)
+    v = dequantize_blockwise(state["exp_avg_sq"], b2s, cfg["v_codebook"], B) + g * g * (1 - b2)
+    # eq. 2.1b, the AdamW update with the working moments (update-before-storage)
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    decay, step_size = 1 - lr * wd, lr / bc1
+    w = param.detach().reshape(-1).float()
+    w = w * decay - step_size * m / _denominator(v, bc2, eps)       # eq. 3.1: r_t(v~)
+    param.copy_(w.view_as(param))
+    # eq. D3 + A.2: store both moments; v in its coordinate (eq. 3.1 for Update-*) and with
+    # EDEN (eq. 3.2)
+    gen = torch.Generator(device=param.device).manual_seed(seed)
+    u_m, u_v = u if u is not None else (None, None)
+    v_coord, v_rule = cfg["v_rounding"].split("-")
+    state["exp_avg"], state["exp_avg_scale"] = quantize_blockwise(
+        m, cfg["m_codebook"], B, m_rounding, "state", u=u_m, generator=gen)
+    state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blockwise(
+        v, cfg["v_codebook"], B, v_rule, v_coord, bc2, eps, cfg["eden"], u=u_v, generator=gen)
+
+
+# SR seeds: the bits of step t depend only on (seed, t, parameter index)
+
+_SEED_MOD = 2 ** 31 - 1
+
+
+def _seed_of_step(seed, t):
+    return (seed * 1_000_003 + t * 65_537) % _SEED_MOD
+
+
+def _seed_of_index(index):
+    # the parameter's term of _sr_seed (the kernel's launch table holds it per tensor)
+    return index * 257 % _SEED_MOD
+
+
+def _sr_seed(seed, t, index):
+    # Independent SR bits per (seed, step, parameter); 31 bits so both torch and Triton take
+    # it. The kernel adds the two terms itself (its launch table is then the same each step).
+    return (_seed_of_step(seed, t) + _seed_of_index(index)) % _SEED_MOD
+
+
+def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
+    """AdamW on FP32 states (paper B's 32-bit baseline; also tensors too small to quantize).
+    items: (param, state, t) triples. CUDA: torch's fused AdamW kernel, one launch per step
+    value. Elsewhere: the reference loop, in torch.optim.AdamW's single-tensor operation order
+    (matches it to rounding)."""
+    if not items:
+        return
+    if items[0][0].is_cuda and all(p.dtype == torch.float32 for p, _, _ in items):
+        by_t = {}
+        for p, st, t in items:
+            by_t.setdefault(t, []).append((p, st))
+        for t, its in by_t.items():
+            ps = [p for p, _ in its]
+            step = torch.full((), float(t), device=ps[0].device)
+            torch._fused_adamw_(ps, [p.grad.float() for p in ps], [st["exp_avg"] for _, st in its],
+                                [st["exp_avg_sq"] for _, st in its], [], [step] * len(ps),
+                                lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+                                amsgrad=False, maximize=False)
+        return
+    for p, st, t in items:
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        g = p.grad.float()
+        w = p.detach().float()
+        w.mul_(1 - lr * wd)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / bc1)
+        p.copy_(w)
+
+
+# ============================================================================================
+# The optimizer
 
 # Paper B, Table 2. m is always rounded in state space; v's rounding names "coord-rule".
 PRESETS = {
@@ -218,13 +374,7 @@ PRESETS = {
 }
 V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
 IMPLS = ("auto", "torch", "triton")
-_SEED_MOD = 2 ** 31 - 1
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
-
-
-def _seed_of_index(index):
-    # the parameter's term of AdamW4bit._step_seed (the kernel's launch table holds it per tensor)
-    return index * 257 % _SEED_MOD
 
 
 def _check_hparams(h, where):
@@ -248,27 +398,43 @@ def _check_hparams(h, where):
         raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
 
 
-def radial_bias(m, m_q):
-    """Radial bias b_rad = <Q(m) - m, m> / ||m||² (paper B, Sec. 4); negative = inward. Float."""
-    m, m_q = m.double().flatten(), m_q.double().flatten()
-    return ((m_q - m) @ m / (m @ m)).item()
-
-
-def relative_rms_error(x, x_q):
-    """Relative RMS quantization error ||Q(x) - x|| / ||x|| (paper B, Appendix C.4). Float."""
-    x, x_q = x.double().flatten(), x_q.double().flatten()
-    return ((x_q - x).norm() / x.norm()).item()
-
-
-def nonzero_to_zero_fraction(x, x_q):
-    """Fraction of nonzero entries of x written as zero by Q (paper B, Appendix C.4). Float."""
-    nz = x != 0
-    return ((x_q == 0) & nz).sum().item() / max(nz.sum().item(), 1)
-
-
-def update_relative_error(u_q, u_32):
-    """One-step relative update error ||u_4bit - u_32|| / ||u_32|| (paper B, Appendix C.3). Float."""
-    return relative_rms_error(u_32, u_q)
+def _quantizer_config(preset, block_size, m_codebook, m_rounding, v_codebook, v_rounding, eden,
+                      lm_head_sr_after):
+    """The preset's components with the given overrides (None keeps the preset's; for
+    lm_head_sr_after the marker "preset" does), checked: AdamW4bit.qcfg."""
+    if eden is not None and not isinstance(eden, bool):
+        raise TypeError(f"eden must be True, False or None (the preset's), got {eden!r}")
+    cfg = dict(PRESETS[preset])
+    for k, v in dict(m_codebook=m_codebook, m_rounding=m_rounding, v_codebook=v_codebook,
+                     v_rounding=v_rounding, eden=eden).items():
+        if v is not None:
+            cfg[k] = v
+    if lm_head_sr_after != "preset":
+        cfg["lm_head_sr_after"] = lm_head_sr_after
+    quantized = cfg["m_codebook"] is not None
+    if quantized or any(x is not None for x in (m_codebook, v_codebook, m_rounding, v_rounding)):
+        for k in ("m_codebook", "v_codebook"):
+            if cfg[k] is None:
+                raise ValueError(f"{k} must be set when the other moment is quantized "
+                                 f"(preset {preset!r})")
+            try:
+                get_codebook(cfg[k])  # validates the name / levels
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{k}: {e}") from None
+        if cfg["m_rounding"] not in ROUNDINGS:
+            raise ValueError(f"m_rounding must be one of {ROUNDINGS}, got {cfg['m_rounding']!r}")
+        if cfg["v_rounding"] not in V_ROUNDINGS:
+            raise ValueError(f"v_rounding must be one of {V_ROUNDINGS}, got {cfg['v_rounding']!r}")
+        if cfg["v_rounding"].startswith("update") and get_codebook(cfg["v_codebook"])[0] < 0:
+            raise ValueError(f"v_rounding={cfg['v_rounding']!r} needs a nonnegative v_codebook, "
+                             f"got {cfg['v_codebook']!r}")
+    if not quantized and cfg["eden"]:
+        raise ValueError("eden=True needs quantized moments; preset 'fp32' keeps FP32 states")
+    sr_after = cfg["lm_head_sr_after"]
+    if sr_after is not None and not (isinstance(sr_after, (int, float)) and 0.0 <= sr_after <= 1.0):
+        raise ValueError(f"lm_head_sr_after must be None or a number in [0, 1], got {sr_after!r}")
+    cfg.update(preset=preset, block_size=block_size)
+    return cfg
 
 
 class AdamW4bit(torch.optim.Optimizer):
@@ -300,7 +466,7 @@ class AdamW4bit(torch.optim.Optimizer):
     State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise.
     state["step"] is a Python float (as in torch.optim before 1.12): no tensor op per parameter
-    and step, which matters on the GPU where the fused step of GPT-2-124M takes ~0.6 ms.
+    and step.
     Raises ValueError/TypeError for bad hyperparameters (also in param groups), unknown names,
     non-float parameters and mismatched state dicts; RuntimeError (as torch's AdamW) for sparse
     gradients.
@@ -318,54 +484,23 @@ class AdamW4bit(torch.optim.Optimizer):
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise TypeError(f"seed must be a nonnegative int, got {seed!r}")
-        if eden is not None and not isinstance(eden, bool):
-            raise TypeError(f"eden must be True, False or None (the preset's), got {eden!r}")
-        cfg = dict(PRESETS[preset])
-        for k, v in dict(m_codebook=m_codebook, m_rounding=m_rounding, v_codebook=v_codebook,
-                         v_rounding=v_rounding, eden=eden).items():
-            if v is not None:
-                cfg[k] = v
-        if lm_head_sr_after != "preset":
-            cfg["lm_head_sr_after"] = lm_head_sr_after
-        quantized = cfg["m_codebook"] is not None
-        if quantized or any(x is not None for x in (m_codebook, v_codebook, m_rounding, v_rounding)):
-            for k in ("m_codebook", "v_codebook"):
-                if cfg[k] is None:
-                    raise ValueError(f"{k} must be set when the other moment is quantized "
-                                     f"(preset {preset!r})")
-                try:
-                    get_codebook(cfg[k])  # validates the name / levels
-                except (ValueError, TypeError) as e:
-                    raise type(e)(f"{k}: {e}") from None
-            if cfg["m_rounding"] not in ROUNDINGS:
-                raise ValueError(f"m_rounding must be one of {ROUNDINGS}, got {cfg['m_rounding']!r}")
-            if cfg["v_rounding"] not in V_ROUNDINGS:
-                raise ValueError(f"v_rounding must be one of {V_ROUNDINGS}, got {cfg['v_rounding']!r}")
-            if cfg["v_rounding"].startswith("update") and get_codebook(cfg["v_codebook"])[0] < 0:
-                raise ValueError(f"v_rounding={cfg['v_rounding']!r} needs a nonnegative v_codebook, "
-                                 f"got {cfg['v_codebook']!r}")
-        if not quantized and cfg["eden"]:
-            raise ValueError("eden=True needs quantized moments; preset 'fp32' keeps FP32 states")
-        sr_after = cfg["lm_head_sr_after"]
-        if sr_after is not None and not (isinstance(sr_after, (int, float)) and 0.0 <= sr_after <= 1.0):
-            raise ValueError(f"lm_head_sr_after must be None or a number in [0, 1], got {sr_after!r}")
-        cfg.update(preset=preset, block_size=block_size)
-        self.qcfg = cfg
+        self.qcfg = cfg = _quantizer_config(preset, block_size, m_codebook, m_rounding, v_codebook,
+                                            v_rounding, eden, lm_head_sr_after)
         self.impl = impl
         # the kernel's lookup tables (CPU; copied to each device at its first step). Their buckets
         # need levels >= ~0.004 apart (_bucket_lut); None: impl="torch", FP32 states, or a codebook
         # too dense for them under impl="auto" (the reference path)
         self._kernel_tabs = None
-        if quantized and impl != "torch":
+        if cfg["m_codebook"] is not None and impl != "torch":
             try:
                 self._kernel_tabs = _kernel_tables(cfg)
             except ValueError as e:
                 if impl == "triton":
                     raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
+        self._kernel_cache = {}    # adamw4bit_step_triton's device tables and launch tables
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
-        self._codebooks, self._prog_tables, self._tabs = {}, {}, {}  # caches of the Triton path
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
@@ -389,7 +524,8 @@ class AdamW4bit(torch.optim.Optimizer):
         self._lm_head.add(id(param))
 
     def set_progress(self, fraction):
-        """Tell the optimizer the training progress, a float in [0, 1] (step / total_steps)."""
+        """Tell the optimizer the training progress, a float in [0, 1] (step / total_steps);
+        ValueError outside."""
         fraction = float(fraction)
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"progress fraction must be in [0, 1], got {fraction}")
@@ -482,9 +618,10 @@ class AdamW4bit(torch.optim.Optimizer):
     def step(self, closure=None):
         """One AdamW step over all parameters with a gradient (update-before-storage).
 
-        Quantized tensors go through the fused Triton kernel (one launch per group of tensors
-        sharing step, gradient dtype and first-moment rule) or the torch reference; FP32-state
-        tensors through torch's fused AdamW on CUDA, the reference loop elsewhere.
+        Quantized tensors go through the fused Triton kernel (adamw4bit_step_triton: one launch
+        per group of tensors sharing step, gradient dtype and first-moment rule) or the reference
+        (adamw4bit_step_torch); FP32-state tensors through torch's fused AdamW on CUDA, the
+        reference loop elsewhere. Returns the closure's loss (None without a closure).
         """
         loss = None
         if closure is not None:
@@ -514,10 +651,12 @@ class AdamW4bit(torch.optim.Optimizer):
                 if self._use_triton(p, interp):
                     quant.setdefault((t, p.grad.dtype, m_rule), []).append((p, st, index))
                 else:
-                    self._step_quantized_torch(p, p.grad, st, *hp, t, m_rule, self._step_seed(t, index))
+                    adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule,
+                                         _sr_seed(self.seed, t, index))
             _adamw_fp32_steps(fp32, *hp)
             for (t, _, m_rule), items in quant.items():
-                self._step_quantized_triton(items, *hp, t, m_rule)
+                adamw4bit_step_triton(items, *hp, t, self.qcfg, m_rule, _seed_of_step(self.seed, t),
+                                      self._kernel_tabs, self._kernel_cache)
         return loss
 
     def _use_triton(self, p, interp):
@@ -531,223 +670,217 @@ class AdamW4bit(torch.optim.Optimizer):
                              f"{p.device} {p.dtype} param, {p.grad.dtype} grad")
         return ok and (p.is_cuda or self.impl == "triton")
 
-    def _step_seed(self, t, index):
-        # Independent SR bits per (seed, step, parameter); 31 bits so both torch and Triton take
-        # it. The kernel adds the two terms itself (its launch table is then the same each step).
-        return (self._seed_of_step(t) + _seed_of_index(index)) % _SEED_MOD
 
-    def _seed_of_step(self, t):
-        return (self.seed * 1_000_003 + t * 65_537) % _SEED_MOD
-
-    def _step_quantized_torch(self, p, grad, st, lr, b1, b2, eps, wd, t, m_rule, seed, u=None):
-        """Reference step of one quantized tensor (paper B, Sec. 2.1). `u`: optional pair of
-        uniform tensors (for m, for v) replacing the generator's SR bits, for kernel tests."""
-        c, B = self.qcfg, self.qcfg["block_size"]
-        g = grad.reshape(-1).float()
-        # b1 Q(m) decoded as T[code] * (b1 s): the beta joins the per-block scale (one multiply
-        # per block instead of one per element, the kernel's order)
-        m = dequantize_blockwise(st["exp_avg"], st["exp_avg_scale"] * b1, c["m_codebook"], B) + g * (1 - b1)
-        v = dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_scale"] * b2, c["v_codebook"], B) \
-            + g * g * (1 - b2)
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        w = p.detach().reshape(-1).float()
-        w = w * (1 - lr * wd) - (lr / bc1) * m / _denominator(v, bc2, eps)
-        p.copy_(w.view_as(p))
-        gen = torch.Generator(device=p.device).manual_seed(seed)
-        u_m, u_v = u if u is not None else (None, None)
-        v_coord, v_rule = c["v_rounding"].split("-")
-        st["exp_avg"], st["exp_avg_scale"] = quantize_blockwise(
-            m, c["m_codebook"], B, m_rule, "state", u=u_m, generator=gen)
-        st["exp_avg_sq"], st["exp_avg_sq_scale"] = quantize_blockwise(
-            v, c["v_codebook"], B, v_rule, v_coord, bc2, eps, c["eden"], u=u_v, generator=gen)
-
-    def _step_quantized_triton(self, items, lr, b1, b2, eps, wd, t, m_rule, u=None):
-        """Fused step of many quantized tensors in one kernel launch; items: (param, state, index),
-        index = the parameter's position from 1 (its SR seed is _step_seed(t, index))."""
-        c, B = self.qcfg, self.qcfg["block_size"]
-        dev = items[0][0].device
-        tabs = self._codebooks.get(dev)
-        if tabs is None:
-            tabs = self._codebooks[dev] = {k: x.to(dev) for k, x in self._kernel_tabs.items()}
-        nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per tile
-        numels = tuple(p.numel() for p, _, _ in items)
-        progs = self._prog_tables.get((dev, B, KERNEL_TILES, numels))
-        if progs is None:                              # program -> tensor index
-            counts = torch.tensor([triton.cdiv(n // B, nb * KERNEL_TILES) for n in numels])
-            progs = self._prog_tables[(dev, B, KERNEL_TILES, numels)] = (
-                torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts).to(dev),
-                (torch.cumsum(counts, 0) - counts).tolist())
-        ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), *(st[k].data_ptr() for k in (
-            "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel())
-            for p, st, i in items)
-        if u is not None:
-            ptrs = tuple(r + (x.data_ptr(), y.data_ptr()) for r, (x, y) in zip(ptrs, u))
-        key = (B, nb, KERNEL_TILES, ptrs)              # the rows' first programs depend on all
-        tab = self._tabs.get(key)
-        if tab is None:                                # one row of _TAB_W int64 per tensor
-            rows = [[first, r[7] // B, *r[:6], _seed_of_index(r[6]), *(r[8:] or (0, 0))]
-                    for first, r in zip(progs[1], ptrs)]
-            if len(self._tabs) > 64:                   # parameters or states were reallocated
-                self._tabs.clear()
-            tab = self._tabs[key] = torch.tensor(rows, dtype=torch.int64).to(dev)
-        # reading an element pair as one word needs p 8-byte and grad 8- (FP32) or 4-byte (BF16)
-        # aligned: true for whole tensors, maybe not for views into a flat buffer; otherwise the
-        # launch reads element by element
-        g_align = 4 if items[0][0].grad.dtype == torch.bfloat16 else 8
-        aligned = all(r[0] % 8 == 0 and r[1] % g_align == 0 for r in ptrs)
-        v_coord, v_rule = c["v_rounding"].split("-")
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
-        if KERNEL_MAXNREG and extra:
-            extra["maxnreg"] = KERNEL_MAXNREG["sr" in (m_rule, v_rule) or bool(c["eden"])]
-        m_lut, v_lut = tabs[f"m_lut_{m_rule}"], tabs["v_lut"]
-        _adamw4bit_kernel[(progs[0].numel(),)](
-            progs[0], tab, tabs["m_dec"], tabs["v_dec"], tabs["v_cb"], m_lut, v_lut,
-            (m_lut.numel() - 1) / 2, (v_lut.numel() - 1) / 2, tabs["m_pair"], tabs["v_pair"],
-            self._seed_of_step(t), 1 - lr * wd, lr / bc1, b1, 1 - b1, b2, 1 - b2,
-            1 / math.sqrt(bc2), eps, M_SR=m_rule == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
-            EDEN=bool(c["eden"]), GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16,
-            HAS_U=u is not None, ALIGNED=aligned, BS=B, NB=nb, TILES=KERNEL_TILES, num_warps=1, **extra)
-
-
-def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
-    """AdamW on FP32 states (paper B's 32-bit baseline; also tensors too small to quantize).
-    CUDA: torch's fused AdamW kernel, one launch per step value. Elsewhere: the reference loop, in
-    torch.optim.AdamW's single-tensor operation order (matches it to rounding)."""
-    if not items:
-        return
-    if items[0][0].is_cuda and all(p.dtype == torch.float32 for p, _, _ in items):
-        by_t = {}
-        for p, st, t in items:
-            by_t.setdefault(t, []).append((p, st))
-        for t, its in by_t.items():
-            ps = [p for p, _ in its]
-            step = torch.full((), float(t), device=ps[0].device)
-            torch._fused_adamw_(ps, [p.grad.float() for p in ps], [st["exp_avg"] for _, st in its],
-                                [st["exp_avg_sq"] for _, st in its], [], [step] * len(ps),
-                                lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
-                                amsgrad=False, maximize=False)
-        return
-    for p, st, t in items:
-        m, v = st["exp_avg"], st["exp_avg_sq"]
-        g = p.grad.float()
-        w = p.detach().float()
-        w.mul_(1 - lr * wd)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-        w.addcdiv_(m, denom, value=-lr / bc1)
-        p.copy_(w)
-
-
-# --------------------------------------------------------------------------------------------
-# the fused Triton step: one pass over param, grad and both packed moments
+# ============================================================================================
+# The fused Triton step: the reference step above, for many tensors in one launch and one
+# pass over param, grad and both packed moments
 #
-# On the H200 this step was first bound by instruction issue, not bandwidth (Nsight Compute:
-# 70-82 % of issue slots busy, DRAM 41-61 %), so the design counts instructions per element: the
-# quantizer works on y = x (1/s) against tables (decode: one 64-bit read per byte; level search:
-# one 64-bit bucket read and one compare; neighbours: one 64-bit read), and a tile is two
-# halves (even and odd elements) so that nothing moves between threads (triton 3.6 compiled
-# tl.join/tl.split into shuffles). Then latency mattered more (a variant with 21 % fewer
-# instructions, approximate sqrt and division, was only 2 % faster; Nsight Compute: 37 % of
-# warp-stall samples on long-scoreboard waits, 33 % at the first uses of the streamed inputs;
-# DRAM 71 %): the tables are small, so a warp's 32 reads touch few cache lines, and a program
-# loops over 16 tiles with the next tile's loads issued before the current tile's arithmetic
-# (more bytes in flight without more warps).
+# The step does few instructions per element and keeps many bytes in flight. The quantizer works
+# on y = x (1/s) against small tables (decode: one 64-bit read per byte; level search: one 64-bit
+# bucket read and one compare; adjacent levels: one 64-bit read), and the tables are small, so a
+# warp's 32 reads touch few cache lines. A tile is held as two halves, the even and the odd
+# elements, so that nothing moves between threads (tl.join/tl.split compile into shuffles). A
+# program loops over KERNEL_TILES tiles with the next tile's loads issued before the current
+# tile's arithmetic (more bytes in flight without more warps).
 
-KERNEL_ELEMS = 128      # elements per tile (one warp; best of a sweep on H200)
+KERNEL_ELEMS = 128      # elements per tile (one warp)
 KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles share a Philox call)
 # registers per thread, RTN-only steps / steps that draw SR bits or sum for EDEN: 64 keeps 32
-# one-warp programs per SM; with 72 (28 programs per SM) ZIP-SR ran 1 % and ZE-EDEN 2 % faster,
-# the RTN-only TorchAO preset 4 % slower (one A/B run on the H200)
+# one-warp programs per SM; the SR and EDEN steps, with more live values, do better with 72
+# (28 programs per SM)
 KERNEL_MAXNREG = (64, 72)
-LUT_BUCKETS = (32, 64, 128, 256, 512, 1024)   # bucket counts of the level search over [-1, 1]
 _INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _SEED_MOD_TL = tl.constexpr(_SEED_MOD)
-_TAB_W = tl.constexpr(11)   # int64 columns per tensor in the launch table (see the kernel)
 
 
-def _pair_bits(lo, hi):
-    """float32 tensors lo, hi -> int64 holding lo's bits in the low word and hi's in the high
-    word: the kernel reads both with one 64-bit gather."""
-    return (lo.view(torch.int32).long() & 0xFFFFFFFF) | (hi.view(torch.int32).long() << 32)
+@triton.jit(do_not_specialize=["seed_of_step"])
+def _adamw4bit_kernel(
+        # launch tables: program -> tensor (int32), one row per tensor (int64, TAB_* columns)
+        program_tensor, launch_table,
+        # codebook tables (_kernel_tables): decode byte -> (T[lo], T[hi]); T_v for EDEN; level
+        # search (bucket tables and half their bucket counts); adjacent levels k -> (a, b)
+        m_decode, v_decode, v_codebook, m_lut, v_lut, m_hn, v_hn, m_adjacent, v_adjacent,
+        # hyper-parameters of this step (eq. 2.1a-b, 3.1): seed_of_step + the table's index term
+        # is the tensor's SR seed (_sr_seed); decay = 1 - lr wd; step_size = lr / bc1
+        seed_of_step, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
+        # the configuration: rounding rules (eq. A.2), EDEN (eq. 3.2), input types and layout
+        M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr, EDEN: tl.constexpr,
+        GRAD_BF16: tl.constexpr, HAS_U: tl.constexpr, ALIGNED: tl.constexpr,
+        # tiling: BLOCK_SIZE elements per scale block, NB blocks per tile, TILES tiles per program
+        BLOCK_SIZE: tl.constexpr, NB: tl.constexpr, TILES: tl.constexpr):
+    # A program does TILES tiles of NB consecutive blocks of one tensor, two tiles per loop
+    # iteration; its row of the launch table gives the tensor's pointers.
+    pid = tl.program_id(0)
+    row = launch_table + tl.load(program_tensor + pid) * TAB_WIDTH
+    n_blocks = tl.load(row + TAB_N_BLOCKS)
+    first = (pid - tl.load(row + TAB_FIRST_PROGRAM)) * (NB * TILES)      # first block of this program
+    param = tl.load(row + TAB_PARAM).to(tl.pointer_type(tl.float32))
+    grad = tl.load(row + TAB_GRAD).to(tl.pointer_type(tl.bfloat16 if GRAD_BF16 else tl.float32))
+    exp_avg = tl.load(row + TAB_EXP_AVG).to(tl.pointer_type(tl.uint8))
+    exp_avg_scale = tl.load(row + TAB_EXP_AVG_SCALE).to(tl.pointer_type(tl.float32))
+    exp_avg_sq = tl.load(row + TAB_EXP_AVG_SQ).to(tl.pointer_type(tl.uint8))
+    exp_avg_sq_scale = tl.load(row + TAB_EXP_AVG_SQ_SCALE).to(tl.pointer_type(tl.float32))
+    seed = (seed_of_step + tl.load(row + TAB_SEED_OF_INDEX)) % _SEED_MOD_TL     # _sr_seed
+    u_m = tl.load(row + TAB_U_M).to(tl.pointer_type(tl.float32))
+    u_v = tl.load(row + TAB_U_V).to(tl.pointer_type(tl.float32))
+    # A tile is held as two (NB, BLOCK_SIZE/2) halves, the even and the odd elements: they are the
+    # low and high nibbles of one byte, so decode and packing need no data exchange between threads.
+    pair = tl.arange(0, NB)[:, None] * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)[None, :]
+    last = tl.minimum(first + NB * TILES, n_blocks)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(param, grad, exp_avg, exp_avg_scale, exp_avg_sq,
+                                                exp_avg_sq_scale, first, n_blocks, b1, b2, NB > 1,
+                                                GRAD_BF16, ALIGNED, BLOCK_SIZE, NB)
+    for f in tl.range(first, last, 2 * NB, num_stages=1):
+        # rotated: tile f's inputs were loaded in the previous iteration, tile f + NB's loads are
+        # in flight during tile f's arithmetic and tile f + 2 NB's during tile f + NB's (more
+        # bytes in flight without more warps). Tiles past the program's end are masked.
+        b = _load_tile(param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f + NB, last,
+                       b1, b2, True, GRAD_BF16, ALIGNED, BLOCK_SIZE, NB)
+        um0 = 0.0
+        um1 = 0.0
+        uv0 = 0.0
+        uv1 = 0.0
+        um2 = 0.0
+        um3 = 0.0
+        uv2 = 0.0
+        uv3 = 0.0
+        if HAS_U:    # tests: the caller's uniforms
+            ok = pair // (BLOCK_SIZE // 2) < n_blocks - f        # rows inside the tensor
+            um0 = tl.load(u_m + f * BLOCK_SIZE + 2 * pair, mask=ok, other=0.0)
+            um1 = tl.load(u_m + f * BLOCK_SIZE + 2 * pair + 1, mask=ok, other=0.0)
+            uv0 = tl.load(u_v + f * BLOCK_SIZE + 2 * pair, mask=ok, other=0.0)
+            uv1 = tl.load(u_v + f * BLOCK_SIZE + 2 * pair + 1, mask=ok, other=0.0)
+            ok = pair // (BLOCK_SIZE // 2) < last - f - NB
+            um2 = tl.load(u_m + (f + NB) * BLOCK_SIZE + 2 * pair, mask=ok, other=0.0)
+            um3 = tl.load(u_m + (f + NB) * BLOCK_SIZE + 2 * pair + 1, mask=ok, other=0.0)
+            uv2 = tl.load(u_v + (f + NB) * BLOCK_SIZE + 2 * pair, mask=ok, other=0.0)
+            uv3 = tl.load(u_v + (f + NB) * BLOCK_SIZE + 2 * pair + 1, mask=ok, other=0.0)
+        else:        # one Philox call per two bytes serves both tiles (_uniforms)
+            if V_SR:
+                uv0, uv1, uv2, uv3 = _uniforms(seed, f * (BLOCK_SIZE // 2) + pair, 0)
+            if M_SR:
+                um0, um1, um2, um3 = _uniforms(seed, f * (BLOCK_SIZE // 2) + pair, 1)
+        _step_tile(a0, a1, a2, a3, a4, a5, a6, a7, um0, um1, uv0, uv1,
+                   param, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f, n_blocks,
+                   m_decode, v_decode, v_codebook, m_lut, v_lut, m_hn, v_hn, m_adjacent, v_adjacent,
+                   decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
+                   NB > 1, M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BLOCK_SIZE, NB)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(param, grad, exp_avg, exp_avg_scale, exp_avg_sq,
+                                                    exp_avg_sq_scale, f + 2 * NB, last, b1, b2,
+                                                    True, GRAD_BF16, ALIGNED, BLOCK_SIZE, NB)
+        _step_tile(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], um2, um3, uv2, uv3,
+                   param, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f + NB, last,
+                   m_decode, v_decode, v_codebook, m_lut, v_lut, m_hn, v_hn, m_adjacent, v_adjacent,
+                   decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
+                   True, M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BLOCK_SIZE, NB)
 
 
-def _bucket_lut(bounds, n=None, margin=2.0 ** -12):
-    """The kernel's replacement for torch.searchsorted(bounds, y, right=True), y in [-1, 1].
+# ---- the kernel's helpers --------------------------------------------------------------------
 
-    Bucket j (0 <= j <= n) holds y with (y + 1) n/2 in [j, j+1). Its entry packs (_pair_bits)
-    c_j = the count of bounds <= e_j - margin (surely <= every y of the bucket, e_j = -1 + 2j/n)
-    and bounds[c_j], the next bound (2.0 past the last). At most one bound lies in
-    [e_j - margin, e_j+1 + margin), so the count of bounds <= y is c_j + (y >= bounds[c_j]): one
-    64-bit read and one comparison. The margin (2^-12) covers the float32 error of the bucket
-    index (~1e-7). bounds: sorted float32 (k,). n=None: the fewest buckets in LUT_BUCKETS that
-    work (NF4: 32, Dyn4: 512): a smaller table spreads a warp's 32 reads over fewer cache lines
-    (-1.6 % step time in one A/B run on the H200). Returns int64 (n + 1,) (at most 8 KB).
-    Raises ValueError if two bounds share a bucket (closer than ~2/n; the paper codebooks'
-    levels and level midpoints are >= 0.0039 apart) or a bound lies outside [-1, 1]."""
-    if n is None:
-        for n in LUT_BUCKETS[:-1]:
-            try:
-                return _bucket_lut(bounds, n, margin)
-            except ValueError:
-                pass
-        n = LUT_BUCKETS[-1]
-    e = -1 + 2 * torch.arange(n + 2, dtype=torch.float64) / n
-    b = bounds.double()[None, :]
-    count = (b <= e[:-1, None] - margin).sum(1)
-    inside = (b > e[:-1, None] - margin) & (b < e[1:, None] + margin)
-    if bounds.numel() and (inside.sum(1).max() > 1 or bounds.abs().max() > 1):
-        raise ValueError(f"codebook levels are closer than the kernel's level buckets (2/{n} plus "
-                         f"margins) or outside [-1, 1]: boundaries {bounds.tolist()}")
-    nxt = torch.cat([bounds, torch.tensor([2.0])])
-    return _pair_bits(count.to(torch.int32), nxt[count])
-
-
-def _kernel_tables(cfg):
-    """The kernel's lookup tables (CPU tensors) for an optimizer configuration:
-    m_dec/v_dec: byte -> (T[low nibble], T[high nibble]) as _pair_bits, int64 (256,);
-    v_cb: T_v (EDEN reads T[code]);
-    m_lut_rtn/m_lut_sr/v_lut: _bucket_lut of the level midpoints (State-RTN: the code is the
-    count of midpoints <= y) or of the inner levels (the others: the lower level's index k);
-    m_pair/v_pair: k -> (T[k], T[k+1]) as _pair_bits, or (sqrt T[k], sqrt T[k+1]) for the
-    update coordinate (one 64-bit gather)."""
-    T_m, T_v = (get_codebook(cfg[k]) for k in ("m_codebook", "v_codebook"))
-    codes = torch.arange(256)
-
-    def dec(T):   # codes >= K are never written; they decode to the top level
-        T = torch.cat([T, T[-1:].expand(16 - T.numel())])
-        return _pair_bits(T[codes & 15], T[codes >> 4])
-
-    Tp = sqrt_rn(T_v) if cfg["v_rounding"].startswith("update") else T_v
-    t = dict(m_dec=dec(T_m), v_dec=dec(T_v), v_cb=T_v,
-             m_pair=_pair_bits(T_m[:-1], T_m[1:]), v_pair=_pair_bits(Tp[:-1], Tp[1:]))
-    def lut(moment, bounds):   # a too-dense codebook's error names it
-        try:
-            return _bucket_lut(bounds)
-        except ValueError as e:
-            raise ValueError(f"{moment}_codebook {cfg[moment + '_codebook']!r}: {e}") from None
-
-    t["m_lut_rtn"] = lut("m", _midpoints(T_m))
-    if cfg["m_rounding"] == "sr" or cfg["lm_head_sr_after"] is not None:
-        t["m_lut_sr"] = lut("m", T_m[1:-1])
-    t["v_lut"] = lut("v", _midpoints(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
-    return t
+@triton.jit
+def _load_tile(param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, first, lim, b1, b2,
+               MASK: tl.constexpr, GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, NB: tl.constexpr):
+    # inputs of blocks first .. first+NB-1 (int64 block index, int32 offsets): both code bytes
+    # (int32), scales times b1 / b2 (NB, 1), and param and grad as even/odd halves (float32).
+    # MASK: only rows < lim exist (without masks when every tile is one whole block: cheaper)
+    rows = tl.arange(0, NB)
+    pair = rows[:, None] * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)[None, :]   # byte index
+    rmask = rows < lim - first if MASK else None
+    mask = rmask[:, None] if MASK else None
+    m_byte = _ld(exp_avg + first * (BLOCK_SIZE // 2) + pair, mask).to(tl.int32)
+    v_byte = _ld(exp_avg_sq + first * (BLOCK_SIZE // 2) + pair, mask).to(tl.int32)
+    b1s = (_ld(exp_avg_scale + first + rows, rmask) * b1)[:, None]
+    b2s = (_ld(exp_avg_sq_scale + first + rows, rmask) * b2)[:, None]
+    if ALIGNED:      # an element pair is one aligned 64-bit (FP32) or 32-bit (BF16) word
+        w0, w1 = _unpair(_ld(param.to(tl.pointer_type(tl.int64), bitcast=True)
+                             + first * (BLOCK_SIZE // 2) + pair, mask))
+        if GRAD_BF16:    # little-endian: the even element in the low half; BF16 -> FP32 exact
+            gw = _ld(grad.to(tl.pointer_type(tl.int32), bitcast=True)
+                     + first * (BLOCK_SIZE // 2) + pair, mask)
+            g0 = (gw << 16).to(tl.float32, bitcast=True)
+            g1 = (gw & -65536).to(tl.float32, bitcast=True)
+        else:
+            g0, g1 = _unpair(_ld(grad.to(tl.pointer_type(tl.int64), bitcast=True)
+                                 + first * (BLOCK_SIZE // 2) + pair, mask))
+    else:
+        w0 = _ld(param + first * BLOCK_SIZE + 2 * pair, mask)
+        w1 = _ld(param + first * BLOCK_SIZE + 2 * pair + 1, mask)
+        g0 = _ld(grad + first * BLOCK_SIZE + 2 * pair, mask).to(tl.float32)
+        g1 = _ld(grad + first * BLOCK_SIZE + 2 * pair + 1, mask).to(tl.float32)
+    return m_byte, v_byte, b1s, b2s, w0, w1, g0, g1
 
 
 @triton.jit
-def _unpair(e):
-    # inverse of _pair_bits: int64 -> (low float32, high float32)
-    return e.to(tl.int32).to(tl.float32, bitcast=True), (e >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1,
+               param, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, first, lim,
+               m_decode, v_decode, v_codebook, m_lut, v_lut, m_hn, v_hn, m_adjacent, v_adjacent,
+               decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
+               MASK: tl.constexpr, M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
+               EDEN: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_SIZE: tl.constexpr, NB: tl.constexpr):
+    # the step of one tile (adamw4bit_step_torch line by line) from _load_tile's inputs and the
+    # SR uniforms of both halves
+    rows = tl.arange(0, NB)
+    pair = rows[:, None] * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)[None, :]
+    rmask = rows < lim - first if MASK else None
+    mask = rmask[:, None] if MASK else None
+    exp_avg += first * (BLOCK_SIZE // 2)
+    exp_avg_sq += first * (BLOCK_SIZE // 2)
+    exp_avg_scale += first
+    exp_avg_sq_scale += first
+
+    # eq. 2.1a, the working moments: m~ = T[code] (b1 s) + (1-b1) g, v~ likewise with g²
+    t0, t1 = _unpair(tl.load(m_decode + m_byte))              # T[code] of both nibbles
+    m0 = t0 * b1s + g0 * one_minus_b1
+    m1 = t1 * b1s + g1 * one_minus_b1
+    t0, t1 = _unpair(tl.load(v_decode + v_byte))
+    v0 = t0 * b2s + g0 * g0 * one_minus_b2
+    v1 = t1 * b2s + g1 * g1 * one_minus_b2
+
+    # eq. 2.1b, the AdamW update with the working moments (update-before-storage)
+    r0 = tl.sqrt_rn(v0) * inv_sqrt_bc2 + eps                  # eq. 3.1: r_t(v~), reused by Update-*
+    r1 = tl.sqrt_rn(v1) * inv_sqrt_bc2 + eps
+    w0 = w0 * decay - tl.div_rn(step_size * m0, r0)
+    w1 = w1 * decay - tl.div_rn(step_size * m1, r1)
+    if ALIGNED:
+        tl.store(param.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BLOCK_SIZE // 2) + pair,
+                 _join_bits(w0, w1), mask=mask)
+    else:
+        tl.store(param + first * BLOCK_SIZE + 2 * pair, w0, mask=mask)
+        tl.store(param + first * BLOCK_SIZE + 2 * pair + 1, w1, mask=mask)
+
+    # eq. D3 + A.2: store both moments, s = max(absmax, 1e-12), y = x (1/s). A NaN in the block
+    # makes s NaN, as in the reference (tl.maximum would otherwise drop it and leave y huge), so
+    # every y is NaN and the bucket index stays inside its table.
+    s = tl.maximum(_absmax(m0, m1), 1e-12, propagate_nan=tl.PropagateNan.ALL)
+    inv = tl.div_rn(1.0, s)[:, None]
+    c0 = _quantize(m0 * inv, m_lut, m_hn, m_adjacent, um0, r0, 0.0, eps, M_SR, False)
+    c1 = _quantize(m1 * inv, m_lut, m_hn, m_adjacent, um1, r1, 0.0, eps, M_SR, False)
+    tl.store(exp_avg + pair, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
+    tl.store(exp_avg_scale + rows, s, mask=rmask)
+    s = tl.maximum(_absmax(v0, v1), 1e-12, propagate_nan=tl.PropagateNan.ALL)
+    inv = tl.div_rn(1.0, s)[:, None]
+    y0 = v0 * inv
+    y1 = v1 * inv
+    r_scale = (tl.sqrt_rn(s) * inv_sqrt_bc2)[:, None]
+    c0 = _quantize(y0, v_lut, v_hn, v_adjacent, uv0, r0, r_scale, eps, V_SR, V_UPDATE)
+    c1 = _quantize(y1, v_lut, v_hn, v_adjacent, uv1, r1, r_scale, eps, V_SR, V_UPDATE)
+    if EDEN:         # eq. 3.2: c = sum y² / max(sum y T[code], 1e-12), float64 sums
+        q0 = tl.load(v_codebook + c0)
+        q1 = tl.load(v_codebook + c1)
+        yy = tl.sum((y0 * y0).to(tl.float64), axis=1) + tl.sum((y1 * y1).to(tl.float64), axis=1)
+        yq = tl.sum((y0 * q0).to(tl.float64), axis=1) + tl.sum((y1 * q1).to(tl.float64), axis=1)
+        s = (yy / tl.maximum(yq, 1e-12)).to(tl.float32) * s
+    tl.store(exp_avg_sq + pair, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
+    tl.store(exp_avg_sq_scale + rows, s, mask=rmask)
 
 
 @triton.jit
-def _quantize(y, lut, hn, pair, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
-    # round_to_levels(y, T, ...) with the same float32 operations. _bucket_lut (2 hn buckets)
-    # gives the count of boundaries <= y: the code itself for State-RTN, else the lower level's
-    # index k. y is in [-1, 1] or NaN (the whole block then, see _step_tile): the GPU converts
-    # NaN to bucket 0, the interpreter to INT_MIN, so there (only) the index is clamped.
+def _quantize(y, lut, hn, adjacent, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
+    # eq. A.2: round_to_levels(y, T, ...) with the same float32 operations. _bucket_lut (2 hn
+    # buckets) gives the count of boundaries <= y: the code itself for State-RTN, else the lower
+    # level's index k. y is in [-1, 1] or NaN (the whole block then, see _step_tile): the GPU
+    # converts NaN to bucket 0, the interpreter to INT_MIN, so there (only) the index is clamped.
     j = tl.fma(y, hn, hn).to(tl.int32)
     if _INTERP:
         j = tl.maximum(j, 0)
@@ -755,7 +888,7 @@ def _quantize(y, lut, hn, pair, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: t
     k = count.to(tl.int32, bitcast=True) + (y >= bound).to(tl.int32)
     if not SR and not UPDATE:
         return k
-    a, b = _unpair(tl.load(pair + k))
+    a, b = _unpair(tl.load(adjacent + k))
     if UPDATE:                       # a, b are sqrt(T[k]), sqrt(T[k+1])
         ra = r_scale * a + eps
         rb = r_scale * b + eps
@@ -786,7 +919,7 @@ def _uniforms(seed, byte, stream):
     # removed, stream). A thread holds bytes b and b + 32 of a tile row, so the compiler computes
     # the call once for both; its 4 words give 16 bits to each of the 8 elements (even and odd
     # element of both bytes, both tiles): u = (k + 1/2) 2^-16, rounding probabilities within
-    # 2^-17 of exact, for half the Philox work of 32-bit draws (-2 % step time on the H200).
+    # 2^-17 of exact, for half the Philox work of 32-bit draws.
     h = ((byte >> 5) & 1).to(tl.uint32) * 16
     c = (byte >> 6) * 32 + (byte & 31)
     lo = c.to(tl.uint32)
@@ -810,171 +943,196 @@ def _ld(ptr, mask):
 
 
 @triton.jit
+def _unpair(e):
+    # inverse of _pair_bits: int64 -> (low float32, high float32)
+    return e.to(tl.int32).to(tl.float32, bitcast=True), (e >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _join_bits(lo, hi):
     # _pair_bits in the kernel: two float32 -> one int64 (one 64-bit store)
     return lo.to(tl.uint32, bitcast=True).to(tl.int64) | (hi.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
 
 
-@triton.jit(do_not_specialize=["seed_t"])
-def _adamw4bit_kernel(prog_tensor, tab, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, v_hn, m_pair, v_pair,
-                      seed_t, decay, step_size, b1, one_minus_b1, b2, one_minus_b2,
-                      inv_sqrt_bc2, eps, M_SR: tl.constexpr, V_SR: tl.constexpr,
-                      V_UPDATE: tl.constexpr, EDEN: tl.constexpr, GRAD_BF16: tl.constexpr,
-                      HAS_U: tl.constexpr, ALIGNED: tl.constexpr, BS: tl.constexpr,
-                      NB: tl.constexpr, TILES: tl.constexpr):
-    # tab: one int64 row per tensor: first program, number of blocks, pointers of param, grad,
-    # m codes, m scales, v codes, v scales, SR seed term, [u_m, u_v if HAS_U]. A program does
-    # TILES tiles of NB consecutive blocks of BS elements, two tiles per loop iteration.
-    pid = tl.program_id(0)
-    row = tab + tl.load(prog_tensor + pid) * _TAB_W
-    nblk = tl.load(row + 1)
-    first = (pid - tl.load(row)) * (NB * TILES)             # first block of this program
-    p_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(row + 3).to(tl.pointer_type(tl.bfloat16 if GRAD_BF16 else tl.float32))
-    mq = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
-    ms = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    vq = tl.load(row + 6).to(tl.pointer_type(tl.uint8))
-    vs = tl.load(row + 7).to(tl.pointer_type(tl.float32))
-    seed = (seed_t + tl.load(row + 8)) % _SEED_MOD_TL        # AdamW4bit._step_seed
-    u_m = tl.load(row + 9).to(tl.pointer_type(tl.float32))
-    u_v = tl.load(row + 10).to(tl.pointer_type(tl.float32))
-    # A tile is held as two (NB, BS/2) halves, the even and the odd elements: they are the low
-    # and high nibbles of one byte, so decode and packing need no data exchange between threads.
-    pair = tl.arange(0, NB)[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
-    last = tl.minimum(first + NB * TILES, nblk)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, nblk, b1, b2, NB > 1,
-                                                GRAD_BF16, ALIGNED, BS, NB)
-    for f in tl.range(first, last, 2 * NB, num_stages=1):
-        # rotated: tile f's inputs were loaded in the previous iteration, tile f + NB's loads are
-        # in flight during tile f's arithmetic and tile f + 2 NB's during tile f + NB's (more
-        # bytes in flight without more warps; ZIP-SR -2.4 to -2.9 % with 72 registers in A/B runs
-        # on the H200 against loading both tiles of an iteration before their arithmetic).
-        # Tiles past the program's end are masked.
-        b = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + NB, last, b1, b2, True, GRAD_BF16, ALIGNED, BS, NB)
-        um0 = 0.0
-        um1 = 0.0
-        uv0 = 0.0
-        uv1 = 0.0
-        um2 = 0.0
-        um3 = 0.0
-        uv2 = 0.0
-        uv3 = 0.0
-        if HAS_U:    # tests: the caller's uniforms
-            ok = pair // (BS // 2) < nblk - f        # rows inside the tensor
-            um0 = tl.load(u_m + f * BS + 2 * pair, mask=ok, other=0.0)
-            um1 = tl.load(u_m + f * BS + 2 * pair + 1, mask=ok, other=0.0)
-            uv0 = tl.load(u_v + f * BS + 2 * pair, mask=ok, other=0.0)
-            uv1 = tl.load(u_v + f * BS + 2 * pair + 1, mask=ok, other=0.0)
-            ok = pair // (BS // 2) < last - f - NB
-            um2 = tl.load(u_m + (f + NB) * BS + 2 * pair, mask=ok, other=0.0)
-            um3 = tl.load(u_m + (f + NB) * BS + 2 * pair + 1, mask=ok, other=0.0)
-            uv2 = tl.load(u_v + (f + NB) * BS + 2 * pair, mask=ok, other=0.0)
-            uv3 = tl.load(u_v + (f + NB) * BS + 2 * pair + 1, mask=ok, other=0.0)
-        else:        # one Philox call per two bytes serves both tiles (_uniforms)
-            if V_SR:
-                uv0, uv1, uv2, uv3 = _uniforms(seed, f * (BS // 2) + pair, 0)
-            if M_SR:
-                um0, um1, um2, um3 = _uniforms(seed, f * (BS // 2) + pair, 1)
-        _step_tile(a0, a1, a2, a3, a4, a5, a6, a7, um0, um1, uv0, uv1,
-                   p_ptr, mq, ms, vq, vs, f, nblk, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, v_hn, m_pair, v_pair,
-                   decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
-                   NB > 1, M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BS, NB)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, f + 2 * NB, last, b1, b2,
-                                                    True, GRAD_BF16, ALIGNED, BS, NB)
-        _step_tile(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], um2, um3, uv2, uv3,
-                   p_ptr, mq, ms, vq, vs, f + NB, last, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, v_hn, m_pair, v_pair,
-                   decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
-                   True, M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BS, NB)
+# ---- the codebook tables ---------------------------------------------------------------------
+
+LUT_BUCKETS = (32, 64, 128, 256, 512, 1024)   # bucket counts of the level search over [-1, 1]
 
 
-@triton.jit
-def _load_tile(p_ptr, g_ptr, mq, ms, vq, vs, first, lim, b1, b2, MASK: tl.constexpr,
-               GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
-    # inputs of blocks first .. first+NB-1 (int64 block index, int32 offsets): both codes
-    # (int32), scales times b1 / b2 (NB, 1), and param and grad as even/odd halves (float32).
-    # MASK: only rows < lim exist (without masks when every tile is one whole block: cheaper)
-    rows = tl.arange(0, NB)
-    pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]   # byte index
-    rmask = rows < lim - first if MASK else None
-    mask = rmask[:, None] if MASK else None
-    mb = _ld(mq + first * (BS // 2) + pair, mask).to(tl.int32)
-    vb = _ld(vq + first * (BS // 2) + pair, mask).to(tl.int32)
-    msc = (_ld(ms + first + rows, rmask) * b1)[:, None]
-    vsc = (_ld(vs + first + rows, rmask) * b2)[:, None]
-    if ALIGNED:      # an element pair is one aligned 64-bit (FP32) or 32-bit (BF16) word
-        w0, w1 = _unpair(_ld(p_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BS // 2) + pair, mask))
-        if GRAD_BF16:    # little-endian: the even element in the low half; BF16 -> FP32 exact
-            gw = _ld(g_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + first * (BS // 2) + pair, mask)
-            g0 = (gw << 16).to(tl.float32, bitcast=True)
-            g1 = (gw & -65536).to(tl.float32, bitcast=True)
-        else:
-            g0, g1 = _unpair(_ld(g_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
-                                 + first * (BS // 2) + pair, mask))
-    else:
-        w0 = _ld(p_ptr + first * BS + 2 * pair, mask)
-        w1 = _ld(p_ptr + first * BS + 2 * pair + 1, mask)
-        g0 = _ld(g_ptr + first * BS + 2 * pair, mask).to(tl.float32)
-        g1 = _ld(g_ptr + first * BS + 2 * pair + 1, mask).to(tl.float32)
-    return mb, vb, msc, vsc, w0, w1, g0, g1
+def _pair_bits(lo, hi):
+    """float32 tensors lo, hi -> int64 holding lo's bits in the low word and hi's in the high
+    word: the kernel reads both with one 64-bit gather."""
+    return (lo.view(torch.int32).long() & 0xFFFFFFFF) | (hi.view(torch.int32).long() << 32)
 
 
-@triton.jit
-def _step_tile(mb, vb, msc, vsc, w0, w1, g0, g1, um0, um1, uv0, uv1,
-               p_ptr, mq, ms, vq, vs, first, lim, m_dec, v_dec, v_cb, m_lut, v_lut, m_hn, v_hn, m_pair, v_pair,
-               decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
-               MASK: tl.constexpr, M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
-               EDEN: tl.constexpr, ALIGNED: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
-    # the step of one tile from _load_tile's inputs and the SR uniforms of both halves
-    rows = tl.arange(0, NB)
-    pair = rows[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
-    rmask = rows < lim - first if MASK else None
-    mask = rmask[:, None] if MASK else None
-    mq += first * (BS // 2)
-    vq += first * (BS // 2)
-    ms += first
-    vs += first
+def _bucket_lut(bounds, n=None, margin=2.0 ** -12):
+    """The kernel's replacement for torch.searchsorted(bounds, y, right=True), y in [-1, 1].
 
-    # the working moments: m~ = T[code] (b1 s) + (1-b1) g, v~ likewise with g²
-    t0, t1 = _unpair(tl.load(m_dec + mb))                     # T[code] of both nibbles
-    m0 = t0 * msc + g0 * one_minus_b1
-    m1 = t1 * msc + g1 * one_minus_b1
-    t0, t1 = _unpair(tl.load(v_dec + vb))
-    v0 = t0 * vsc + g0 * g0 * one_minus_b2
-    v1 = t1 * vsc + g1 * g1 * one_minus_b2
+    Bucket j (0 <= j <= n) holds y with (y + 1) n/2 in [j, j+1). Its entry packs (_pair_bits)
+    c_j = the count of bounds <= e_j - margin (surely <= every y of the bucket, e_j = -1 + 2j/n)
+    and bounds[c_j], the next bound (2.0 past the last). At most one bound lies in
+    [e_j - margin, e_j+1 + margin), so the count of bounds <= y is c_j + (y >= bounds[c_j]): one
+    64-bit read and one comparison. The margin (2^-12) covers the float32 error of the bucket
+    index (~1e-7). bounds: sorted float32 (k,). n=None: the fewest buckets in LUT_BUCKETS that
+    work (NF4: 32, Dyn4: 512): a smaller table spreads a warp's 32 reads over fewer cache lines.
+    Returns int64 (n + 1,) (at most 8 KB).
+    Raises ValueError if two bounds share a bucket (closer than ~2/n; the paper codebooks'
+    levels and level midpoints are >= 0.0039 apart) or a bound lies outside [-1, 1]."""
+    if n is None:
+        for n in LUT_BUCKETS[:-1]:
+            try:
+                return _bucket_lut(bounds, n, margin)
+            except ValueError:
+                pass
+        n = LUT_BUCKETS[-1]
+    e = -1 + 2 * torch.arange(n + 2, dtype=torch.float64) / n
+    b = bounds.double()[None, :]
+    count = (b <= e[:-1, None] - margin).sum(1)
+    inside = (b > e[:-1, None] - margin) & (b < e[1:, None] + margin)
+    if bounds.numel() and (inside.sum(1).max() > 1 or bounds.abs().max() > 1):
+        raise ValueError(f"codebook levels are closer than the kernel's level buckets (2/{n} plus "
+                         f"margins) or outside [-1, 1]: boundaries {bounds.tolist()}")
+    nxt = torch.cat([bounds, torch.tensor([2.0])])
+    return _pair_bits(count.to(torch.int32), nxt[count])
 
-    # AdamW update with the working moments (update-before-storage)
-    r0 = tl.sqrt_rn(v0) * inv_sqrt_bc2 + eps                  # r_t(v~), reused by Update-SR
-    r1 = tl.sqrt_rn(v1) * inv_sqrt_bc2 + eps
-    w0 = w0 * decay - tl.div_rn(step_size * m0, r0)
-    w1 = w1 * decay - tl.div_rn(step_size * m1, r1)
-    if ALIGNED:
-        tl.store(p_ptr.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BS // 2) + pair,
-                 _join_bits(w0, w1), mask=mask)
-    else:
-        tl.store(p_ptr + first * BS + 2 * pair, w0, mask=mask)
-        tl.store(p_ptr + first * BS + 2 * pair + 1, w1, mask=mask)
 
-    # quantize both moments (paper B, Def. 3): s = max(absmax, 1e-12), y = x (1/s). A NaN in the
-    # block makes s NaN, as in the reference (tl.maximum would otherwise drop it and leave y
-    # huge), so every y is NaN and the bucket index stays inside its table.
-    s = tl.maximum(_absmax(m0, m1), 1e-12, propagate_nan=tl.PropagateNan.ALL)
-    inv = tl.div_rn(1.0, s)[:, None]
-    c0 = _quantize(m0 * inv, m_lut, m_hn, m_pair, um0, r0, 0.0, eps, M_SR, False)
-    c1 = _quantize(m1 * inv, m_lut, m_hn, m_pair, um1, r1, 0.0, eps, M_SR, False)
-    tl.store(mq + pair, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
-    tl.store(ms + rows, s, mask=rmask)
-    s = tl.maximum(_absmax(v0, v1), 1e-12, propagate_nan=tl.PropagateNan.ALL)
-    inv = tl.div_rn(1.0, s)[:, None]
-    y0 = v0 * inv
-    y1 = v1 * inv
-    r_scale = (tl.sqrt_rn(s) * inv_sqrt_bc2)[:, None]
-    c0 = _quantize(y0, v_lut, v_hn, v_pair, uv0, r0, r_scale, eps, V_SR, V_UPDATE)
-    c1 = _quantize(y1, v_lut, v_hn, v_pair, uv1, r1, r_scale, eps, V_SR, V_UPDATE)
-    if EDEN:         # c = sum y² / max(sum y T[code], 1e-12), float64 sums
-        q0 = tl.load(v_cb + c0)
-        q1 = tl.load(v_cb + c1)
-        yy = tl.sum((y0 * y0).to(tl.float64), axis=1) + tl.sum((y1 * y1).to(tl.float64), axis=1)
-        yq = tl.sum((y0 * q0).to(tl.float64), axis=1) + tl.sum((y1 * q1).to(tl.float64), axis=1)
-        s = (yy / tl.maximum(yq, 1e-12)).to(tl.float32) * s
-    tl.store(vq + pair, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
-    tl.store(vs + rows, s, mask=rmask)
+def _kernel_tables(cfg):
+    """The kernel's lookup tables (CPU tensors) for an optimizer configuration:
+    m_decode/v_decode: byte -> (T[low nibble], T[high nibble]) as _pair_bits, int64 (256,);
+    v_codebook: T_v (EDEN reads T[code]);
+    m_lut_rtn/m_lut_sr/v_lut: _bucket_lut of the level midpoints (State-RTN: the code is the
+    count of midpoints <= y) or of the inner levels (the others: the lower level's index k);
+    m_adjacent/v_adjacent: k -> (T[k], T[k+1]) as _pair_bits, or (sqrt T[k], sqrt T[k+1]) for
+    the update coordinate (one 64-bit gather).
+    Raises ValueError, naming the moment's codebook, if its levels are too dense for _bucket_lut."""
+    T_m, T_v = (get_codebook(cfg[k]) for k in ("m_codebook", "v_codebook"))
+    codes = torch.arange(256)
+
+    def dec(T):   # codes >= K are never written; they decode to the top level
+        T = torch.cat([T, T[-1:].expand(16 - T.numel())])
+        return _pair_bits(T[codes & 15], T[codes >> 4])
+
+    Tp = sqrt_rn(T_v) if cfg["v_rounding"].startswith("update") else T_v
+    t = dict(m_decode=dec(T_m), v_decode=dec(T_v), v_codebook=T_v,
+             m_adjacent=_pair_bits(T_m[:-1], T_m[1:]), v_adjacent=_pair_bits(Tp[:-1], Tp[1:]))
+    def lut(moment, bounds):   # a too-dense codebook's error names it
+        try:
+            return _bucket_lut(bounds)
+        except ValueError as e:
+            raise ValueError(f"{moment}_codebook {cfg[moment + '_codebook']!r}: {e}") from None
+
+    t["m_lut_rtn"] = lut("m", _midpoints(T_m))
+    if cfg["m_rounding"] == "sr" or cfg["lm_head_sr_after"] is not None:
+        t["m_lut_sr"] = lut("m", T_m[1:-1])
+    t["v_lut"] = lut("v", _midpoints(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
+    return t
+
+
+# ---- the launch tables -----------------------------------------------------------------------
+
+# One int64 row of TAB_WIDTH columns per tensor, written by _launch_table and read by the kernel:
+TAB_FIRST_PROGRAM = tl.constexpr(0)      # the tensor's first program (_program_table)
+TAB_N_BLOCKS = tl.constexpr(1)           # its number of scale blocks, numel / block_size
+TAB_PARAM = tl.constexpr(2)              # data pointers: param (float32), grad (float32/bfloat16),
+TAB_GRAD = tl.constexpr(3)               # the state's exp_avg, exp_avg_sq (packed codes, uint8)
+TAB_EXP_AVG = tl.constexpr(4)            # and exp_avg_scale, exp_avg_sq_scale (float32)
+TAB_EXP_AVG_SCALE = tl.constexpr(5)
+TAB_EXP_AVG_SQ = tl.constexpr(6)
+TAB_EXP_AVG_SQ_SCALE = tl.constexpr(7)
+TAB_SEED_OF_INDEX = tl.constexpr(8)      # the parameter's term of its SR seed (_seed_of_index)
+TAB_U_M = tl.constexpr(9)                # the caller's uniforms u_m, u_v (float32; 0 without)
+TAB_U_V = tl.constexpr(10)
+TAB_WIDTH = tl.constexpr(11)
+
+
+def _program_table(numels, block_size, nb, device):
+    """Program -> tensor index as int32 (programs,) on `device`, and each tensor's first program
+    (a list): a tensor of numel n gets cdiv(n / block_size, nb * KERNEL_TILES) programs."""
+    counts = torch.tensor([triton.cdiv(n // block_size, nb * KERNEL_TILES) for n in numels])
+    return (torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts).to(device),
+            (torch.cumsum(counts, 0) - counts).tolist())
+
+
+def _launch_table(ptrs, first_programs, block_size, device):
+    """The launch table, int64 (tensors, TAB_WIDTH) on `device`, from adamw4bit_step_triton's
+    per-tensor tuples (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale data
+    pointers, parameter index, numel[, u_m, u_v pointers])."""
+    rows = []
+    for first, (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, index, numel,
+                *u) in zip(first_programs, ptrs):
+        row = [0] * TAB_WIDTH.value
+        row[TAB_FIRST_PROGRAM] = first
+        row[TAB_N_BLOCKS] = numel // block_size
+        row[TAB_PARAM] = param
+        row[TAB_GRAD] = grad
+        row[TAB_EXP_AVG] = exp_avg
+        row[TAB_EXP_AVG_SCALE] = exp_avg_scale
+        row[TAB_EXP_AVG_SQ] = exp_avg_sq
+        row[TAB_EXP_AVG_SQ_SCALE] = exp_avg_sq_scale
+        row[TAB_SEED_OF_INDEX] = _seed_of_index(index)
+        row[TAB_U_M], row[TAB_U_V] = u or (0, 0)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+# ---- the wrapper -----------------------------------------------------------------------------
+
+def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_of_step, tables, cache,
+                          u=None):
+    """adamw4bit_step_torch for many tensors in one launch of _adamw4bit_kernel (paper B, eq.
+    2.1a-b, Def. 3 / App. A.2 storage, EDEN eq. 3.2), bit for bit given the same SR uniforms.
+
+    items:  (param, state, index) triples of one device, gradient dtype and step t: param a
+            contiguous float32 tensor with a contiguous float32/bfloat16 grad, numel a multiple
+            of cfg["block_size"]; state as in adamw4bit_step_torch (written in place); index the
+            parameter's position from 1 (its SR seed is _sr_seed(seed, t, index)).
+    lr, b1, b2, eps, wd, t, cfg, m_rounding: as in adamw4bit_step_torch.
+    seed_of_step: _seed_of_step(seed, t), the step's term of every tensor's SR seed.
+    tables: _kernel_tables(cfg) (CPU); cache: a dict kept per optimizer, filled here with the
+            tables on each device and the program and launch tables of each set of tensors.
+    u:      optional list of (u_m, u_v) float32 uniform tensors per item, replacing the kernel's
+            Philox bits (tests).
+    """
+    B = cfg["block_size"]
+    dev = items[0][0].device
+    dev_tables, programs, launches = (cache.setdefault(k, {}) for k in ("tables", "programs", "launch"))
+    tabs = dev_tables.get(dev)
+    if tabs is None:
+        tabs = dev_tables[dev] = {k: x.to(dev) for k, x in tables.items()}
+    nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per tile
+    numels = tuple(p.numel() for p, _, _ in items)
+    progs = programs.get((dev, B, KERNEL_TILES, numels))
+    if progs is None:
+        progs = programs[(dev, B, KERNEL_TILES, numels)] = _program_table(numels, B, nb, dev)
+    ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), *(st[k].data_ptr() for k in (
+        "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel())
+        for p, st, i in items)
+    if u is not None:
+        ptrs = tuple(r + (x.data_ptr(), y.data_ptr()) for r, (x, y) in zip(ptrs, u))
+    key = (B, nb, KERNEL_TILES, ptrs)              # the rows' first programs depend on all
+    tab = launches.get(key)
+    if tab is None:
+        if len(launches) > 64:                     # parameters or states were reallocated
+            launches.clear()
+        tab = launches[key] = _launch_table(ptrs, progs[1], B, dev)
+    # reading an element pair as one word needs p 8-byte and grad 8- (FP32) or 4-byte (BF16)
+    # aligned: true for whole tensors, maybe not for views into a flat buffer; otherwise the
+    # launch reads element by element
+    g_align = 4 if items[0][0].grad.dtype == torch.bfloat16 else 8
+    aligned = all(r[0] % 8 == 0 and r[1] % g_align == 0 for r in ptrs)
+    v_coord, v_rule = cfg["v_rounding"].split("-")
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    decay, step_size = 1 - lr * wd, lr / bc1
+    extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
+    if KERNEL_MAXNREG and extra:
+        extra["maxnreg"] = KERNEL_MAXNREG["sr" in (m_rounding, v_rule) or bool(cfg["eden"])]
+    m_lut, v_lut = tabs[f"m_lut_{m_rounding}"], tabs["v_lut"]
+    _adamw4bit_kernel[(progs[0].numel(),)](
+        progs[0], tab,
+        tabs["m_decode"], tabs["v_decode"], tabs["v_codebook"], m_lut, v_lut,
+        (m_lut.numel() - 1) / 2, (v_lut.numel() - 1) / 2, tabs["m_adjacent"], tabs["v_adjacent"],
+        seed_of_step, decay, step_size, b1, 1 - b1, b2, 1 - b2, 1 / math.sqrt(bc2), eps,
+        M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
+        EDEN=bool(cfg["eden"]), GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16,
+        HAS_U=u is not None, ALIGNED=aligned, BLOCK_SIZE=B, NB=nb, TILES=KERNEL_TILES,
+        num_warps=1, **extra)

@@ -16,8 +16,6 @@ import subprocess
 import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
-os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                         "..", "shared", "tiktoken_cache"))
 
 import numpy as np
 import pytest
@@ -41,7 +39,7 @@ from model import GPT, PRESETS, preset_config
 # =============================================================================================
 # codebooks.py (paper B, Appendix A.1)
 
-SPEC_LEVELS = {  # decimals as SPEC.md / the paper print them
+PAPER_LEVELS = {  # decimals as paper B Appendix A.1 prints them
     "dyn4": [0, .00325, .00775, .02125, .04375, .06625, .08875, .15625, .26875, .38125, .49375,
              .60625, .71875, .83125, .94375, 1],
     "sdyn4": [-.8875, -.6625, -.4375, -.2125, -.0775, -.0325, -.0055, 0, .0055, .0325, .0775,
@@ -50,13 +48,13 @@ SPEC_LEVELS = {  # decimals as SPEC.md / the paper print them
     "fp4": sorted({0, 1 / 48, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 1} |
                   {-x for x in (1 / 48, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 1)}),
 }
-SPEC_LEVELS["dyn4_nz"] = SPEC_LEVELS["dyn4"][1:]
+PAPER_LEVELS["dyn4_nz"] = PAPER_LEVELS["dyn4"][1:]
 
 
-@pytest.mark.parametrize("name", sorted(SPEC_LEVELS))
+@pytest.mark.parametrize("name", sorted(PAPER_LEVELS))
 def test_codebook_values_pinned(name):
     got = CODEBOOKS[name]
-    want = torch.tensor(SPEC_LEVELS[name], dtype=torch.float64).float()
+    want = torch.tensor(PAPER_LEVELS[name], dtype=torch.float64).float()
     assert got.dtype == torch.float32
     assert torch.equal(got, want), (name, got.tolist())
 
@@ -614,7 +612,7 @@ def test_kernel_sr_equals_reference_given_the_same_bits(kw):
                 o_ker.state[b][k].copy_(o_ref.state[a][k])
     _set_grads(ref, ker, g)
     m_rule = o_ref.qcfg["m_rounding"]
-    with torch.no_grad():   # the private step functions expect step()'s no_grad
+    with torch.no_grad():   # the step functions expect step()'s no_grad
         items, us = [], []
         for i, (a, b) in enumerate(zip(ref, ker)):
             if not o_ref.is_quantized(a):
@@ -623,10 +621,12 @@ def test_kernel_sr_equals_reference_given_the_same_bits(kw):
             for o, p in ((o_ref, a), (o_ker, b)):
                 o.state[p]["step"] += 1
             t = int(o_ref.state[a]["step"])
-            o_ref._step_quantized_torch(a, a.grad, o_ref.state[a], 1e-2, 0.9, 0.95, 1e-8, 0.1, t, m_rule, 0, u=u)
+            A.adamw4bit_step_torch(a, a.grad, o_ref.state[a], 1e-2, 0.9, 0.95, 1e-8, 0.1, t, o_ref.qcfg, m_rule, 0,
+                                   u=u)
             items.append((b, o_ker.state[b], 0))
             us.append(u)
-        o_ker._step_quantized_triton(items, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, m_rule, u=us)
+        A.adamw4bit_step_triton(items, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, o_ker.qcfg, m_rule, A._seed_of_step(o_ker.seed, t),
+                                o_ker._kernel_tabs, o_ker._kernel_cache, u=us)
     _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=True)
 
 
@@ -2391,8 +2391,8 @@ def test_cast_fp_fp4_e2m1_grid_ties_and_saturation():
             6.0, -6.0, -3.0, -0.5, 0.0]
     # ties: 0.25 -> 0 (code 0 even, not the subnormal 0.5), 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
     # 2.5 -> 2, 3.5 -> 4, 5 -> 4: the neighbour whose mantissa bit is 0
-    assert experiments.cast_fp(x, 2, 1, inf_nan=False).tolist() == want
-    assert math.isnan(experiments.cast_fp(torch.tensor([float("nan")]), 2, 1, inf_nan=False).item())
+    assert g.cast_fp(x, 2, 1, inf_nan=False).tolist() == want
+    assert math.isnan(g.cast_fp(torch.tensor([float("nan")]), 2, 1, inf_nan=False).item())
 
 
 def test_cast_fp_e3m4_subnormals_and_saturation():
@@ -2402,18 +2402,18 @@ def test_cast_fp_e3m4_subnormals_and_saturation():
     x = torch.tensor([s, s / 2, 3 * s / 2, 5 * s / 2, 0.4 * s, 0.25, 0.25 + s / 2, 15.5, 15.7, 100.0, -1e30])
     want = [s, 0.0, 2 * s, 2 * s, 0.0, 0.25, 0.25, 15.5, 15.5, 15.5, -15.5]
     # 0.25 + s/2: 0.25 is in binade [2^-2, 2^-1) with step 2^-6 = s, so s/2 is a tie -> 0.25 (even)
-    assert experiments.cast_fp(x, 3, 4).tolist() == want
+    assert g.cast_fp(x, 3, 4).tolist() == want
 
 
 def test_cast_fp_matches_torch_float16_and_float8():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(50_000, generator=gen) * torch.exp2(torch.randint(-30, 20, (50_000,), generator=gen).float())
     h = x.clamp(-65504, 65504)                       # IEEE half = e5m10 with inf/NaN codes
-    assert torch.equal(experiments.cast_fp(h, 5, 10), h.half().float())
+    assert torch.equal(g.cast_fp(h, 5, 10), h.half().float())
     y = x.clamp(-57344, 57344)                       # float8_e5m2: IEEE-style
-    assert torch.equal(experiments.cast_fp(y, 5, 2), y.to(torch.float8_e5m2).float())
+    assert torch.equal(g.cast_fp(y, 5, 2), y.to(torch.float8_e5m2).float())
     z = x.clamp(-440, 440)                           # float8_e4m3fn: all exponents finite (below 448)
-    assert torch.equal(experiments.cast_fp(z, 4, 3, inf_nan=False), z.to(torch.float8_e4m3fn).float())
+    assert torch.equal(g.cast_fp(z, 4, 3, inf_nan=False), z.to(torch.float8_e4m3fn).float())
 
 
 def _grid(e, m, inf_nan):
@@ -2432,24 +2432,24 @@ def test_cast_fp_is_the_nearest_grid_point_ties_to_even(e, m, inf_nan):
     gen = torch.Generator().manual_seed(e * 100 + m)
     x = (torch.rand(4000, generator=gen, dtype=torch.float64) * 2 - 1) * grid[-1] * 1.2
     x = torch.cat([x, x / 64, x / 2 ** 12])
-    q = experiments.cast_fp(x, e, m, inf_nan)
+    q = g.cast_fp(x, e, m, inf_nan)
     dist = (x.abs()[:, None] - grid[None, :]).abs()
     assert torch.equal(q.abs(), grid[dist.argmin(1)])            # nearest (saturating beyond the top)
     assert torch.equal(torch.sign(q), torch.sign(x) * (q != 0))
     mid = (grid[1:] + grid[:-1]) / 2                              # exact ties: the even code wins
     even = torch.where(torch.arange(len(mid)) % 2 == 0, grid[:-1], grid[1:])
-    assert torch.equal(experiments.cast_fp(mid, e, m, inf_nan), even)
-    assert torch.equal(experiments.cast_fp(-mid, e, m, inf_nan), -even)
-    assert torch.equal(experiments.cast_fp(grid, e, m, inf_nan), grid)  # grid points are fixed points
+    assert torch.equal(g.cast_fp(mid, e, m, inf_nan), even)
+    assert torch.equal(g.cast_fp(-mid, e, m, inf_nan), -even)
+    assert torch.equal(g.cast_fp(grid, e, m, inf_nan), grid)  # grid points are fixed points
 
 
 def test_cast_fp_rejects_bad_formats():
     with pytest.raises(ValueError, match=r"cast_fp: exp_bits=0 must be an int in \[1, 8\]"):
-        experiments.cast_fp(torch.ones(2), 0, 3)
+        g.cast_fp(torch.ones(2), 0, 3)
     with pytest.raises(ValueError, match=r"man_bits=2.5"):
-        experiments.cast_fp(torch.ones(2), 3, 2.5)
+        g.cast_fp(torch.ones(2), 3, 2.5)
     with pytest.raises(ValueError, match="inf_nan=False"):
-        experiments.cast_fp(torch.ones(2), 1, 2)
+        g.cast_fp(torch.ones(2), 1, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2459,16 +2459,16 @@ def test_cast_tiles_scales_each_tile_by_its_absmax():
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(70, 45, generator=gen) * torch.exp2(torch.randint(-8, 8, (70, 45), generator=gen).float())
     w[32:64, 32:45] = 0.0                                          # an all-zero (partial) tile
-    q = experiments.cast_tiles(w, 3, 4)
-    assert torch.equal(experiments.cast_tiles(q, 3, 4), q)               # idempotent: the tile scales stay
+    q = g.cast_tiles(w, 3, 4)
+    assert torch.equal(g.cast_tiles(q, 3, 4), q)               # idempotent: the tile scales stay
     assert torch.equal(q[32:64, 32:45], w[32:64, 32:45])
     for r, c in [(0, 0), (0, 1), (1, 0), (2, 1)]:                  # each tile on its own (edge tiles partial)
         t = w[32 * r:32 * r + 32, 32 * c:32 * c + 32]
         k = math.floor(math.log2(t.abs().max().item())) - 3      # absmax into e3m4's top binade [8, 16)
-        assert torch.equal(q[32 * r:32 * r + 32, 32 * c:32 * c + 32], experiments.cast_fp(t / 2.0 ** k, 3, 4) * 2.0 ** k)
+        assert torch.equal(q[32 * r:32 * r + 32, 32 * c:32 * c + 32], g.cast_fp(t / 2.0 ** k, 3, 4) * 2.0 ** k)
     w2 = w.clone()
     w2[0, 0] = 1e6                                                  # another tile's scale is untouched
-    assert torch.equal(experiments.cast_tiles(w2, 3, 4)[32:], q[32:]) and torch.equal(experiments.cast_tiles(w2, 3, 4)[:, 32:], q[:, 32:])
+    assert torch.equal(g.cast_tiles(w2, 3, 4)[32:], q[32:]) and torch.equal(g.cast_tiles(w2, 3, 4)[:, 32:], q[:, 32:])
 
 
 def test_cast_to_tiers_uses_each_tiles_clamped_b_t():
@@ -2478,7 +2478,7 @@ def test_cast_to_tiers_uses_each_tiles_clamped_b_t():
     # b_t = 4 + 2 b_i: tiles at 4 (FP8), 7 (FP12), 11 (FP16) and 30 (clamped to 24: kept)
     with torch.no_grad():
         layer.b_i.copy_(torch.tensor([[0.0, 1.5], [3.5, 13.0]]))
-    share = experiments.cast_to_tiers(model)
+    share = g.cast_to_tiers(model)
     assert share == {"FP8 e3m4": 0.25, "FP12 e4m7": 0.25, "FP16 e5m10": 0.25, ">FP16": 0.25}
     stats = g.bitwidth_stats(model)["all"]
     assert share["FP8 e3m4"] == stats["share_le5"]
@@ -2486,7 +2486,7 @@ def test_cast_to_tiers_uses_each_tiles_clamped_b_t():
     w = layer.weight.detach()
     for (r, c), (e, m) in {(0, 0): (3, 4), (0, 1): (4, 7), (1, 0): (5, 10)}.items():
         sl = (slice(32 * r, 32 * r + 32), slice(32 * c, 32 * c + 32))
-        assert torch.equal(w[sl], experiments.cast_tiles(w0[sl], e, m)) and not torch.equal(w[sl], w0[sl])
+        assert torch.equal(w[sl], g.cast_tiles(w0[sl], e, m)) and not torch.equal(w[sl], w0[sl])
     assert torch.equal(w[32:, 32:], w0[32:, 32:])
 
 
@@ -2580,7 +2580,7 @@ def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     # the sweep casts the same layers to each format from the trained weights (restored after it):
     # its e3m4 row is the control's all-FP8 tier cast, the coarsest format costs the most
     for c in cast.values():
-        assert list(c["sweep_delta"]) == [f"e{e}m{m}" for e, m in experiments.CAST_SWEEP]
+        assert list(c["sweep_delta"]) == [f"e{e}m{m}" for e, m in g.CAST_SWEEP]
     assert ctrl["sweep_delta"]["e3m4"] == ctrl["delta"]
     assert ctrl["sweep_delta"]["e3m1"] > abs(ctrl["sweep_delta"]["e3m4"])
     bits = out["bitwidth"]["gaussws/adamw s0"]
@@ -2596,10 +2596,10 @@ def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     # a cast model's tiles are on their formats' grids: casting again is lossless
     model, cfg, val = experiments.load_run(str(tmp_path / "gaussws_adamw_s0"))
     assert val() == cast["gaussws/adamw s0"]["val_loss_before"]
-    experiments.cast_to_tiers(model)
+    g.cast_to_tiers(model)
     once = val()
     assert once == cast["gaussws/adamw s0"]["val_loss_after"]
-    experiments.cast_to_tiers(model)
+    g.cast_to_tiers(model)
     assert val() == once
 
     # the JSON rows keep each seed's curves (so plots can be redrawn from results/ alone)
