@@ -1,5 +1,12 @@
 """
-All tests, CPU only (Triton kernels run under TRITON_INTERPRET=1). Run: pytest -q test_all.py
+All tests, one section per file in module order (codebooks, philox, adam4bit, gaussws, model /
+data / train, bench, experiments); within a section the papers' facts first, then kernel =
+reference, then API and errors. They run on CPU, the Triton kernels under TRITON_INTERPRET=1:
+
+    TRITON_INTERPRET=1 python3 -m pytest -q test_all.py
+
+The GPU-only tests (test_gpu_*) skip there and say why; on a GPU machine run them with
+TRITON_INTERPRET=0 python3 -m pytest -q test_all.py -k gpu
 
 Statistical tests state their confidence: a bound of z standard errors fails a correct
 implementation with probability about 2*Phi(-z) (z = 5: 6e-7), and every random test is seeded.
@@ -36,6 +43,17 @@ import train
 from codebooks import CODEBOOKS, NF4, dynamic_map, get_codebook
 from model import GPT, PRESETS, preset_config
 
+
+# markers of the GPU-only tests, which compare the compiled kernels with the reference on CUDA
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="GPU-only check needs a CUDA GPU: it compares the compiled Triton kernels with the reference "
+           "(the CPU tests above run the same kernels under the Triton interpreter)")
+needs_compiled = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1",
+    reason="GPU-only check needs the compiled kernels: run it with TRITON_INTERPRET=0")
+
+
 # =============================================================================================
 # codebooks.py (paper B, Appendix A.1)
 
@@ -48,6 +66,8 @@ PAPER_LEVELS = {  # decimals as paper B Appendix A.1 prints them
     "fp4": sorted({0, 1 / 48, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 1} |
                   {-x for x in (1 / 48, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 1)}),
 }
+
+
 PAPER_LEVELS["dyn4_nz"] = PAPER_LEVELS["dyn4"][1:]
 
 
@@ -90,7 +110,64 @@ def test_dynamic_map_formula_sizes_and_errors():
 
 
 # =============================================================================================
-# adam4bit.py: the block quantizer (paper B, Def. 3, Appendix A.2)
+# philox.py: Philox4x32 against Random123 known answers and Triton's tl.philox
+
+def test_philox_known_answers():
+    """Philox4x32-10 known-answer vectors of Random123 (Salmon et al. 2011)."""
+    t = lambda v: torch.tensor([v], dtype=torch.int64)
+    M = 0xFFFFFFFF
+    cases = [((0, 0, 0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((M, M, M, M, M, M), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for inp, want in cases:
+        assert [int(x) for x in philox.philox_torch(*map(t, inp))] == list(want)
+
+
+def test_philox_matches_triton_randint4x():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(out_ptr, seed, BLOCK: tl.constexpr):
+        off = tl.arange(0, BLOCK)
+        a, b, c, d = tl.randint4x(seed, off)
+        tl.store(out_ptr + off * 4 + 0, a.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(out_ptr + off * 4 + 1, b.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(out_ptr + off * 4 + 2, c.to(tl.int64) & 0xFFFFFFFF)
+        tl.store(out_ptr + off * 4 + 3, d.to(tl.int64) & 0xFFFFFFFF)
+
+    key = 0x0123_4567_89AB_CDEF
+    out = torch.empty(64, 4, dtype=torch.int64, device=DEV)
+    k[(1,)](out, key, BLOCK=64)
+    ref = g._philox_words_torch(torch.tensor([key, 0], device=DEV), torch.arange(64, device=DEV))
+    assert torch.equal(out, torch.stack(ref, -1))
+
+
+def test_kernel_philox_equals_triton_philox():
+    """philox.philox (64-bit products) gives tl.philox's words, bit for bit."""
+    @triton.jit
+    def both(seed, out):
+        i = tl.arange(0, 256).to(tl.uint32)
+        c0 = i * 40503 + 12345
+        c1 = i ^ 1234567
+        k0 = seed.to(tl.uint32)
+        a = philox.philox(c0, c1, c0 * 0 + 3, c0 * 0, k0, k0 * 0, 7)
+        b = tl.philox(seed, c0, c1, c0 * 0 + 3, c0 * 0, n_rounds=7)
+        for k in tl.static_range(4):
+            tl.store(out + k * 256 + i, a[k].to(tl.int32, bitcast=True))
+            tl.store(out + 1024 + k * 256 + i, b[k].to(tl.int32, bitcast=True))
+    for seed in (0, 12345, 2 ** 31 - 2):
+        out = torch.zeros(2048, dtype=torch.int32)
+        both[(1,)](seed, out)
+        assert torch.equal(out[:1024], out[1024:]) and out.unique().numel() > 1000
+
+
+# =============================================================================================
+# adam4bit.py (paper B)
+
+# ---------------------------------------------------------------------------------------------
+# the block quantizer (Def. 3, Appendix A.2): reference facts
 
 def test_pack_unpack_roundtrip():
     g = torch.Generator().manual_seed(0)
@@ -251,8 +328,21 @@ def test_quantizer_bad_arguments():
         A.quantize_blockwise(x, "nf4", coord="update")
 
 
-# =============================================================================================
-# adam4bit.py: the optimizer
+def test_quantizer_input_types():
+    with pytest.raises(TypeError, match="floating-point"):
+        A.quantize_blockwise(torch.arange(256), "nf4")
+    with pytest.raises(ValueError, match="bias_correction2"):
+        A.quantize_blockwise(torch.rand(256), "dyn4", coord="update", bias_correction2=0.0)
+    with pytest.raises(ValueError, match="nonnegative"):
+        A.quantize_blockwise(-torch.rand(256), "dyn4", coord="update")
+    with pytest.raises(ValueError, match="one uniform per element"):
+        A.quantize_blockwise(torch.randn(256), "nf4", rule="sr", u=torch.rand(10))
+    with pytest.raises(TypeError, match="uint8"):
+        A.dequantize_blockwise(torch.zeros(128), torch.ones(2), "nf4")
+
+
+# ---------------------------------------------------------------------------------------------
+# the optimizer (reference step): presets, state, resume, API and errors
 
 def _mlp(seed=0):
     torch.manual_seed(seed)
@@ -506,19 +596,6 @@ def test_optimizer_checks_groups_params_and_state_shapes():
         A.AdamW4bit([q]).load_state_dict(o.state_dict())
 
 
-def test_quantizer_input_types():
-    with pytest.raises(TypeError, match="floating-point"):
-        A.quantize_blockwise(torch.arange(256), "nf4")
-    with pytest.raises(ValueError, match="bias_correction2"):
-        A.quantize_blockwise(torch.rand(256), "dyn4", coord="update", bias_correction2=0.0)
-    with pytest.raises(ValueError, match="nonnegative"):
-        A.quantize_blockwise(-torch.rand(256), "dyn4", coord="update")
-    with pytest.raises(ValueError, match="one uniform per element"):
-        A.quantize_blockwise(torch.randn(256), "nf4", rule="sr", u=torch.rand(10))
-    with pytest.raises(TypeError, match="uint8"):
-        A.dequantize_blockwise(torch.zeros(128), torch.ones(2), "nf4")
-
-
 def test_diagnostics():
     g = torch.Generator().manual_seed(6)
     m = torch.randn(4096, generator=g)
@@ -535,8 +612,27 @@ def test_diagnostics():
     assert 0.03 < err < 0.15
 
 
-# =============================================================================================
-# adam4bit.py: the fused Triton step (runs through TRITON_INTERPRET=1 on CPU)
+def test_state_dict_round_trip_with_custom_codebook_tensors():
+    """A custom (tensor) codebook survives state_dict/load_state_dict; another codebook is refused."""
+    def make(cb):
+        p = torch.nn.Parameter(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)))
+        p.grad = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
+        return p, A.AdamW4bit([p], impl="torch", v_codebook=cb, v_rounding="state-rtn")
+    cb = torch.linspace(0, 1, 16)
+    p, opt = make(cb)
+    opt.step()
+    q, opt2 = make(cb.clone())
+    opt2.load_state_dict(opt.state_dict())
+    assert torch.equal(opt2.state[q]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+    _, opt3 = make(torch.linspace(0, 1, 16) ** 2)
+    with pytest.raises(ValueError, match="another configuration"):
+        opt3.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match="v_codebook"):
+        A.AdamW4bit([p], v_codebook="nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused Triton step = the reference step (TRITON_INTERPRET=1 on CPU; GPU-only tests at the end)
 
 # multiples of 128 but not of the kernel's 8 x 128 elements per program, and a tensor left FP32
 KERNEL_SHAPES = [(4096,), (33, 384), (40, 128), (100,)]
@@ -677,25 +773,6 @@ def test_kernel_nan_gradient_matches_reference(preset, kw):
                 assert torch.equal(ok.state[a][key][keep], ref.state[b][key][keep])
 
 
-def test_kernel_philox_equals_triton_philox():
-    """philox.philox (64-bit products) gives tl.philox's words, bit for bit."""
-    @triton.jit
-    def both(seed, out):
-        i = tl.arange(0, 256).to(tl.uint32)
-        c0 = i * 40503 + 12345
-        c1 = i ^ 1234567
-        k0 = seed.to(tl.uint32)
-        a = philox.philox(c0, c1, c0 * 0 + 3, c0 * 0, k0, k0 * 0, 7)
-        b = tl.philox(seed, c0, c1, c0 * 0 + 3, c0 * 0, n_rounds=7)
-        for k in tl.static_range(4):
-            tl.store(out + k * 256 + i, a[k].to(tl.int32, bitcast=True))
-            tl.store(out + 1024 + k * 256 + i, b[k].to(tl.int32, bitcast=True))
-    for seed in (0, 12345, 2 ** 31 - 2):
-        out = torch.zeros(2048, dtype=torch.int32)
-        both[(1,)](seed, out)
-        assert torch.equal(out[:1024], out[1024:]) and out.unique().numel() > 1000
-
-
 def test_kernel_sr_uniforms_are_16_bit_halves_of_philox():
     """_uniforms: byte b of a tile pair reads Philox4x32-7 (torch reference) at counter
     ((b >> 6) * 32 + (b & 31), stream), half (b >> 5) & 1 of each word, u = (k + 1/2) 2^-16 --
@@ -787,8 +864,102 @@ def test_impl_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
         A.AdamW4bit([p], impl="triton").step()
 
 
+def test_bucket_lut_equals_searchsorted():
+    """The kernel's level search (bucket j = trunc(y * n/2 + n/2) in float32 -- exactly the
+    kernel's fma, as y * n/2 is exact --, then count_j + (y >= bound_j) from entry j) equals
+    torch.searchsorted(bounds, y, right=True) for every codebook's level midpoints (State-RTN)
+    and inner levels (the other rules), at the table's own bucket count and at the largest, on
+    adversarial y: each bound and each bucket edge +- 0..3 ulps, the ends of [-1, 1] and random y."""
+    from codebooks import CODEBOOKS
+    gen = torch.Generator().manual_seed(21)
+    sizes = set()
+    for name in CODEBOOKS:
+        T = get_codebook(name)
+        for bounds in (A._midpoints(T), T[1:-1]):
+            for lut in (A._bucket_lut(bounds), A._bucket_lut(bounds, A.LUT_BUCKETS[-1])):
+                n = lut.numel() - 1
+                sizes.add(n)
+                count = (lut & 0xFFFFFFFF).to(torch.int32)
+                bound = (lut >> 32).to(torch.int32).view(torch.float32)
+                edges = (-1 + 2 * torch.arange(n + 2, dtype=torch.float64) / n).float()
+                y = torch.cat([bounds, edges, torch.tensor([-1.0, 0.0, 1.0]),
+                               torch.rand(4000, generator=gen) * 2 - 1])
+                for _ in range(3):
+                    y = torch.cat([y, torch.nextafter(y, y + torch.inf), torch.nextafter(y, y - torch.inf)]).unique()
+                y = y[y.abs() <= 1 + 2 ** -22]                 # |x (1/s)| <= 1 up to rounding
+                j = (y * (n / 2) + n / 2).to(torch.int32).long()
+                got = count[j].long() + (y >= bound[j]).long()
+                assert torch.equal(got, torch.searchsorted(bounds, y, right=True)), (name, n)
+    assert {32, 512, 1024} <= sizes                      # NF4 needs 32 buckets, Dyn4 512
+    with pytest.raises(ValueError, match="closer than"):
+        A._bucket_lut(torch.tensor([0.0, 0.5, 0.5005, 1.0]))
+    with pytest.raises(ValueError, match="closer than"):   # too dense for 32 buckets, not 64
+        A._bucket_lut(torch.tensor([-0.5, -0.45, 0.5]), 32)
+    assert A._bucket_lut(torch.tensor([-0.5, -0.45, 0.5])).numel() == 65
+
+
+def test_kernel_bf16_grads_at_odd_offsets():
+    """BF16 gradient views that start at an odd 2-byte offset (as in a flat gradient buffer; the
+    launch then reads element by element instead of 16-byte vectors) give the reference's
+    result bit for bit."""
+    ref, o_ref, ker, o_ker = _twin_optimizers(preset="zeeden")
+    g = torch.Generator().manual_seed(22)
+    for _ in range(2):
+        n = sum(p.numel() for p in ref)
+        flat = (torch.randn(n + 1, generator=g) * 1e-2).to(torch.bfloat16)
+        off = 1
+        for a, b in zip(ref, ker):
+            a.grad_dtype = b.grad_dtype = None
+            view = flat[off:off + a.numel()].view(a.shape)
+            a.grad, b.grad = view.clone(), view
+            off += a.numel()
+        assert any(b.grad.data_ptr() % 4 for b in ker if o_ker.is_quantized(b))
+        o_ref.step()
+        o_ker.step()
+    _assert_twins_equal(ref, o_ref, ker, o_ker)
+
+
+@needs_compiled
+@needs_cuda
+def test_gpu_fused_adamw4bit_step_bit_identical_to_reference():
+    """On CUDA the fused step gives the CPU reference's parameters and packed states bit for bit
+    over 8 steps (random shapes, fp32 and bf16 grads) for the RTN presets and for ZIP-SR's m with
+    v by Update-RTN; the FP32-state tensors agree to 1e-5; a GPU state_dict loads into a CPU
+    optimizer exactly."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4096,), (33, 384), (1000, 128 * 3), (77, 1024), (100,)]
+    for kw in (dict(preset="torchao"), dict(preset="zeeden"),
+               dict(preset="zipsr", v_rounding="update-rtn")):
+        cpu = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+        o_c = A.AdamW4bit(cpu, impl="torch", lr=1e-2, **kw)
+        o_g = A.AdamW4bit(gpu, impl="triton", lr=1e-2, **kw)
+        for step in range(8):
+            for a, b in zip(cpu, gpu):
+                a.grad_dtype = b.grad_dtype = None
+                gr = torch.randn(a.shape, generator=gen) * 10 ** (-1 - 3 * torch.rand(1, generator=gen).item())
+                if step % 2:
+                    gr = gr.bfloat16()
+                a.grad, b.grad = gr.clone(), gr.cuda()
+            o_c.step()
+            o_g.step()
+        quantized = [(a, b) for a, b in zip(cpu, gpu) if o_c.is_quantized(a)]
+        assert len(quantized) == 4, kw
+        for a, b in quantized:
+            assert torch.equal(a, b.cpu()), (kw, tuple(a.shape))
+            for k in o_c.state[a].keys() - {"step"}:
+                assert torch.equal(o_c.state[a][k], o_g.state[b][k].cpu()), (kw, tuple(a.shape), k)
+        assert max((a - b.cpu()).abs().max().item() for a, b in zip(cpu, gpu)) < 1e-5, kw
+    o_c2 = A.AdamW4bit(cpu, impl="torch", lr=1e-2, preset="zipsr", v_rounding="update-rtn")
+    o_c2.load_state_dict(o_g.state_dict())
+    for a, b in zip(cpu, gpu):
+        assert o_c2.state[a]["step"] == o_g.state[b]["step"]
+        for k in o_g.state[b].keys() - {"step"}:
+            assert torch.equal(o_c2.state[a][k], o_g.state[b][k].cpu()), (tuple(a.shape), k)
+
+
 # =============================================================================================
-# gaussws.py (paper A): noise law (eq. 10), kernels vs reference, eq. 3 / eq. 4, seeds, layer API
+# gaussws.py (paper A)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ODD_SHAPES = [(70, 45), (33, 100), (1, 1), (64, 96)]
@@ -825,11 +996,11 @@ def eq3_float64(w, r, b_t):
 
 
 # ---------------------------------------------------------------------------------------------
-# the noise law (eq. 10), Philox, packing
+# the noise law (eq. 10), Philox words, packing
 
 def test_recipe_exhaustive_and_exact_law():
-    """The word-parallel recipe equals SPEC's per-element recipe on all 2^16 bit patterns, for
-    every element slot j, and those patterns realise eq. 10 exactly."""
+    """The word-parallel recipe equals the bit-by-bit recipe (noise_from_bits_reference) on all
+    2^16 bit patterns, for every element slot j, and those patterns realise eq. 10 exactly."""
     bits = torch.arange(2 ** 16, dtype=torch.int64)
     lit = g.noise_from_bits_reference(bits)
     counts = torch.bincount(lit.long() + 2, minlength=5).tolist()
@@ -849,38 +1020,6 @@ def test_recipe_exhaustive_and_exact_law():
         assert torch.equal(g.bits_of_element(*words, j), pats[j])
         nib = (packed >> (4 * j)) & 0xF
         assert torch.equal(((nib & 7) * (1 - 2 * (nib >> 3))).to(torch.int8), lit[pats[j]])
-
-
-def test_philox_known_answers():
-    """Philox4x32-10 known-answer vectors of Random123 (Salmon et al. 2011)."""
-    t = lambda v: torch.tensor([v], dtype=torch.int64)
-    M = 0xFFFFFFFF
-    cases = [((0, 0, 0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-             ((M, M, M, M, M, M), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0),
-              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
-    for inp, want in cases:
-        assert [int(x) for x in philox.philox_torch(*map(t, inp))] == list(want)
-
-
-def test_philox_matches_triton_randint4x():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def k(out_ptr, seed, BLOCK: tl.constexpr):
-        off = tl.arange(0, BLOCK)
-        a, b, c, d = tl.randint4x(seed, off)
-        tl.store(out_ptr + off * 4 + 0, a.to(tl.int64) & 0xFFFFFFFF)
-        tl.store(out_ptr + off * 4 + 1, b.to(tl.int64) & 0xFFFFFFFF)
-        tl.store(out_ptr + off * 4 + 2, c.to(tl.int64) & 0xFFFFFFFF)
-        tl.store(out_ptr + off * 4 + 3, d.to(tl.int64) & 0xFFFFFFFF)
-
-    key = 0x0123_4567_89AB_CDEF
-    out = torch.empty(64, 4, dtype=torch.int64, device=DEV)
-    k[(1,)](out, key, BLOCK=64)
-    ref = g._philox_words_torch(torch.tensor([key, 0], device=DEV), torch.arange(64, device=DEV))
-    assert torch.equal(out, torch.stack(ref, -1))
 
 
 def test_kernel_chi_square_1m_draws():
@@ -1061,7 +1200,7 @@ def test_max_pqn_at_bt4():
 
 
 # ---------------------------------------------------------------------------------------------
-# eq. 4: gradients, forward/backward consistency
+# eq. 4: gradients, forward/backward consistency, seeds
 
 @pytest.mark.parametrize("impl,method,fused", [
     ("torch", "gaussws", False), ("torch", "diffq", False),
@@ -1176,7 +1315,7 @@ def test_activation_checkpointing_reuses_seed(memory):
 
 
 # ---------------------------------------------------------------------------------------------
-# module API
+# the layer and apply_pqt
 
 class _Block(nn.Module):
     def __init__(self, d=32, llama=False):
@@ -1425,8 +1564,359 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.gaussws_sample(w, bt, 0, impl="triton")
 
 
+# ---------------------------------------------------------------------------------------------
+# input checks: b_init / b_target (eq. 11), parts, weights, the b_t clamp, seeds, stats
+
+def _gpt(kind):
+    torch.manual_seed(0)
+    return GPT(preset_config("nano-llama" if kind == "llama" else "nano", vocab_size=64))
+
+
+def _untouched(model):
+    return not g.pqt_layers(model)
+
+
+def test_b_target_above_b_init_is_rejected_and_equal_is_fixed_bitwidth():
+    with pytest.raises(ValueError, match=r"b_target=8 > b_init=4.*b_target <= b_init.*eq\. 11"):
+        g.GaussWSLinear(64, 64, b_init=4, b_target=8)
+    m = _gpt("gpt2")
+    with pytest.raises(ValueError, match=r"b_target=6 > b_init=4"):
+        g.apply_pqt(m, b_init=4, b_target=6)
+    assert _untouched(m)
+    for bad in (0.5, 25, float("nan"), float("inf"), True, "6"):
+        with pytest.raises(ValueError, match="b_init="):
+            g.GaussWSLinear(8, 8, b_init=bad, b_target=1)
+    # b_init == b_target: b_t is b_target whatever b_i is, and b_i gets no gradient
+    torch.manual_seed(1)
+    layer = g.GaussWSLinear(45, 70, b_init=5, b_target=5)
+    with torch.no_grad():
+        layer.b_i.uniform_(-3, 3)
+    assert torch.equal(layer.b_t, torch.full((3, 2), 5.0))
+    layer(torch.randn(4, 45)).square().sum().backward()
+    assert torch.equal(layer.b_i.grad, torch.zeros(3, 2)) and layer.weight.grad.abs().sum() > 0
+    assert len(g.apply_pqt(_gpt("gpt2"), b_init=4, b_target=4)) == 8
+
+
+def _have(msg):
+    return set(re.search(r"its blocks have: ([a-z, ]+)", msg).group(1).split(", "))
+
+
+@pytest.mark.parametrize("kind,parts,missing,have", [
+    ("llama", "qkv,out", "qkv", {"q", "k", "v", "out", "gate", "up", "down"}),
+    ("gpt2", "q,out", "q", {"qkv", "out", "up", "down"}),
+    ("gpt2", "gate,k,up", "gate, k", {"qkv", "out", "up", "down"})])
+def test_apply_pqt_rejects_parts_the_model_lacks(kind, parts, missing, have):
+    m = _gpt(kind)
+    with pytest.raises(ValueError, match=f"no nn.Linear named {missing} inside") as e:
+        g.apply_pqt(m, parts=parts)
+    assert _have(str(e.value)) == have
+    assert _untouched(m)                      # nothing replaced, not even the parts that exist
+
+
+def test_apply_pqt_all_and_od_work_for_both_model_kinds():
+    for kind, n_all in (("gpt2", 4), ("llama", 7)):
+        m = _gpt(kind)
+        names = g.apply_pqt(m, parts="all")
+        assert len(names) == 2 * n_all == len(g.pqt_layers(m))
+        assert "lm_head" not in " ".join(names)
+        od = g.apply_pqt(_gpt(kind), parts="od")
+        assert [n.rsplit(".", 1)[-1] for n in od] == ["out", "down", "out", "down"]
+        with pytest.raises(ValueError, match=r"have: none \(already GaussWSLinear: "):
+            g.apply_pqt(m, parts="all")       # applying twice names what is already replaced
+
+
+def test_empty_weight_is_rejected_with_a_clear_error():
+    with pytest.raises(ValueError, match="out_features=0 must be an int >= 1"):
+        g.GaussWSLinear(64, 0)
+    with pytest.raises(ValueError, match="in_features=0 must be an int >= 1"):
+        g.GaussWSLinear(0, 64)
+    with pytest.raises(ValueError, match=r"w has shape \(0, 64\): it must have at least one element"):
+        g.gaussws_sample(torch.empty(0, 64), torch.empty(0, 2), 0)
+    with pytest.raises(ValueError, match=r"w has shape \(5, 0\)"):
+        g.apply_noise(torch.empty(5, 0), torch.empty(5, 0, dtype=torch.int32), torch.empty(1, 0))
+
+
+def test_float64_is_rejected_at_construction():
+    with pytest.raises(TypeError, match="float64; allowed: float32, bfloat16, float16"):
+        g.GaussWSLinear(8, 8, dtype=torch.float64)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(TypeError, match="float64"):
+            g.GaussWSLinear(8, 8)
+    finally:
+        torch.set_default_dtype(old)
+    m = _gpt("gpt2").double()
+    with pytest.raises(TypeError, match=r"blocks\.0\.attn\.qkv\.weight has dtype torch\.float64"):
+        g.apply_pqt(m)
+    assert _untouched(m)
+    for dt in (torch.bfloat16, torch.float16):  # the allowed low-precision dtypes still construct
+        assert g.GaussWSLinear(8, 8, dtype=dt).weight.dtype == dt
+
+
+def test_bt_clamped_in_sampling_with_eq4_inside_and_zero_grad_outside():
+    torch.manual_seed(2)
+    m, n = 70, 45                                          # tile grid (3, 2)
+    w = torch.randn(m, n)
+    bt_raw = torch.tensor([[-1996.0, 0.5], [1.0, 5.0], [24.0, 30.0]])
+    bt = bt_raw.clone().requires_grad_()
+    G = torch.randn(m, n)
+    seed = torch.tensor([123, 4])
+    w_hat = g.gaussws_sample(w, bt, seed, out_dtype=torch.float32, impl="torch")
+    assert torch.isfinite(w_hat).all()
+    (w_hat * G).sum().backward()
+    r = g.unpack_noise(g.generate_noise((m, n), seed), n).double()
+    tmax = g._tile_max_torch(w).double()
+    b_eff = bt_raw.double().clamp(1, 24)
+    ref = w.double() + r * g._broadcast_tiles(tmax * torch.exp2(1 - b_eff), m, n)   # eq. 3, clamped b_t
+    assert torch.allclose(w_hat.double(), ref, rtol=1e-6, atol=1e-6)
+    tsum = F.pad(G.double() * r, (0, -n % 32, 0, -m % 32)).view(3, 32, 2, 32).sum(dim=(1, 3))
+    eq4 = -math.log(2) * tmax * torch.exp2(1 - b_eff) * tsum
+    inside = (bt_raw >= 1) & (bt_raw <= 24)                 # the range ends count as inside
+    assert torch.allclose(bt.grad.double()[inside], eq4[inside], rtol=1e-4, atol=1e-6)
+    assert (eq4[inside].abs() > 0).all() and torch.equal(bt.grad[~inside], torch.zeros(3))
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_layer_with_runaway_b_i_stays_finite_and_equals_clamped(impl):
+    torch.manual_seed(3)
+    x = torch.randn(3, 45)
+    out = {}
+    for b_i in (-1000.0, -1.5, 10.0, 500.0):                # b_t = -1996, 1, 24, 1004
+        layer = g.GaussWSLinear(45, 70, seed=9, impl=impl)  # same seed, same init weights
+        torch.manual_seed(4)
+        layer.reset_parameters()
+        with torch.no_grad():
+            layer.b_i.fill_(b_i)
+        out[b_i] = layer(x)
+        assert torch.isfinite(out[b_i]).all(), b_i
+    assert torch.equal(out[-1000.0], out[-1.5]) and torch.equal(out[500.0], out[10.0])
+    assert not torch.equal(out[-1.5], out[10.0])
+
+
+def test_penalty_pulls_clamped_tiles_back_and_stats_report_effective_bits():
+    layer = g.GaussWSLinear(64, 32, b_init=6, b_target=4)   # tiles (1, 2)
+    with torch.no_grad():
+        layer.b_i.copy_(torch.tensor([[-1000.0, 20.0]]))    # b_t = -1996, 44
+    holder = nn.Module()
+    holder.l = layer
+    g.bitwidth_penalty(holder).backward()
+    # d/d b_i of mean |b_t - 4| = sign(b_t - 4) · 2 / 2 tiles: descent moves both toward b_target
+    assert torch.equal(layer.b_i.grad, torch.tensor([[-1.0, 1.0]]))
+    s = g.bitwidth_stats(holder)
+    assert s["l"]["min"] == 1.0 and s["l"]["max"] == 24.0 and s["all"]["mean"] == 12.5
+    assert torch.equal(layer.b_t, torch.tensor([[-1996.0, 44.0]]))   # eq. 11 itself is not clamped
+
+
+@pytest.mark.parametrize("seed,err,msg", [
+    (-1, ValueError, r"seed=-1 must be an int in \[0, 2\*\*63\)"),
+    (2 ** 63, ValueError, r"seed=9223372036854775808"),
+    (2 ** 64, ValueError, r"seed=18446744073709551616"),
+    ("abc", TypeError, r"seed must be an int.*got str 'abc'"),
+    (1.5, TypeError, r"got float 1\.5"),
+    (True, TypeError, r"got bool True")])
+def test_seed_rule_is_the_same_everywhere(seed, err, msg):
+    m = _gpt("gpt2")
+    with pytest.raises(err, match=msg):
+        g.apply_pqt(m, seed=seed)
+    assert _untouched(m)
+    with pytest.raises(err, match=msg):
+        g.GaussWSLinear(8, 8, seed=seed)
+    with pytest.raises(err, match=msg):
+        g.gaussws_sample(torch.randn(8, 8), torch.full((1, 1), 4.0), seed)
+
+
+def test_largest_seed_is_accepted_everywhere():
+    s = 2 ** 63 - 1
+    assert len(g.apply_pqt(_gpt("gpt2"), seed=s)) == 8
+    assert g.GaussWSLinear(8, 8, seed=s).noise_state[0].item() >= 0
+    assert g.gaussws_sample(torch.randn(8, 8), torch.full((1, 1), 4.0), s).shape == (8, 8)
+
+
+def test_stats_without_pqt_layers_and_non_modules():
+    m = _gpt("gpt2")
+    with pytest.raises(ValueError, match="bitwidth_stats: model GPT has no GaussWSLinear layer"):
+        g.bitwidth_stats(m)
+    assert g.bitwidth_penalty(m).item() == 0.0 and g.pqt_layers(m) == []
+    for fn in (g.bitwidth_stats, g.bitwidth_penalty, g.pqt_layers, g.apply_pqt):
+        with pytest.raises(TypeError, match=f"{fn.__name__}: model must be a torch.nn.Module, got NoneType"):
+            fn(None)
+    g.apply_pqt(m, parts="od")
+    assert set(g.bitwidth_stats(m)) == {"all"} | {n for n, _ in g.pqt_layers(m)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Table C: casting sampled weights to FP formats
+
+def test_cast_fp_fp4_e2m1_grid_ties_and_saturation():
+    # OCP FP4 E2M1 (no inf/NaN codes): 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    x = torch.tensor([0.5, 1.5, 3.0, 6.0, 0.1, 0.3, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 1e9,
+                      float("inf"), -float("inf"), -2.9, -0.26, 0.0])
+    want = [0.5, 1.5, 3.0, 6.0, 0.0, 0.5, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0,
+            6.0, -6.0, -3.0, -0.5, 0.0]
+    # ties: 0.25 -> 0 (code 0 even, not the subnormal 0.5), 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
+    # 2.5 -> 2, 3.5 -> 4, 5 -> 4: the neighbour whose mantissa bit is 0
+    assert g.cast_fp(x, 2, 1, inf_nan=False).tolist() == want
+    assert math.isnan(g.cast_fp(torch.tensor([float("nan")]), 2, 1, inf_nan=False).item())
+
+
+def test_cast_fp_e3m4_subnormals_and_saturation():
+    # IEEE-style e3m4 (Table C's FP8 tier): bias 3, emin -2, emax 3 (exponent 7 = inf/NaN),
+    # subnormal step 2^(-2-4) = 1/64, largest finite (2 - 1/16) * 8 = 15.5
+    s = 1 / 64
+    x = torch.tensor([s, s / 2, 3 * s / 2, 5 * s / 2, 0.4 * s, 0.25, 0.25 + s / 2, 15.5, 15.7, 100.0, -1e30])
+    want = [s, 0.0, 2 * s, 2 * s, 0.0, 0.25, 0.25, 15.5, 15.5, 15.5, -15.5]
+    # 0.25 + s/2: 0.25 is in binade [2^-2, 2^-1) with step 2^-6 = s, so s/2 is a tie -> 0.25 (even)
+    assert g.cast_fp(x, 3, 4).tolist() == want
+
+
+def test_cast_fp_matches_torch_float16_and_float8():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(50_000, generator=gen) * torch.exp2(torch.randint(-30, 20, (50_000,), generator=gen).float())
+    h = x.clamp(-65504, 65504)                       # IEEE half = e5m10 with inf/NaN codes
+    assert torch.equal(g.cast_fp(h, 5, 10), h.half().float())
+    y = x.clamp(-57344, 57344)                       # float8_e5m2: IEEE-style
+    assert torch.equal(g.cast_fp(y, 5, 2), y.to(torch.float8_e5m2).float())
+    z = x.clamp(-440, 440)                           # float8_e4m3fn: all exponents finite (below 448)
+    assert torch.equal(g.cast_fp(z, 4, 3, inf_nan=False), z.to(torch.float8_e4m3fn).float())
+
+
+def _grid(e, m, inf_nan):
+    """All nonnegative values of the format, by code, in increasing order (code parity = mantissa LSB)."""
+    bias = 2 ** (e - 1) - 1
+    vals = []
+    for E, M in itertools.product(range(2 ** e - (1 if inf_nan else 0)), range(2 ** m)):
+        vals.append(M * 2.0 ** (1 - bias - m) if E == 0 else (1 + M / 2 ** m) * 2.0 ** (E - bias))
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("e,m,inf_nan", [(3, 4, True), (4, 7, True), (2, 1, False), (4, 3, True), (3, 2, False)])
+def test_cast_fp_is_the_nearest_grid_point_ties_to_even(e, m, inf_nan):
+    grid = _grid(e, m, inf_nan)
+    assert torch.all(grid[1:] > grid[:-1])
+    gen = torch.Generator().manual_seed(e * 100 + m)
+    x = (torch.rand(4000, generator=gen, dtype=torch.float64) * 2 - 1) * grid[-1] * 1.2
+    x = torch.cat([x, x / 64, x / 2 ** 12])
+    q = g.cast_fp(x, e, m, inf_nan)
+    dist = (x.abs()[:, None] - grid[None, :]).abs()
+    assert torch.equal(q.abs(), grid[dist.argmin(1)])            # nearest (saturating beyond the top)
+    assert torch.equal(torch.sign(q), torch.sign(x) * (q != 0))
+    mid = (grid[1:] + grid[:-1]) / 2                              # exact ties: the even code wins
+    even = torch.where(torch.arange(len(mid)) % 2 == 0, grid[:-1], grid[1:])
+    assert torch.equal(g.cast_fp(mid, e, m, inf_nan), even)
+    assert torch.equal(g.cast_fp(-mid, e, m, inf_nan), -even)
+    assert torch.equal(g.cast_fp(grid, e, m, inf_nan), grid)  # grid points are fixed points
+
+
+def test_cast_fp_rejects_bad_formats():
+    with pytest.raises(ValueError, match=r"cast_fp: exp_bits=0 must be an int in \[1, 8\]"):
+        g.cast_fp(torch.ones(2), 0, 3)
+    with pytest.raises(ValueError, match=r"man_bits=2.5"):
+        g.cast_fp(torch.ones(2), 3, 2.5)
+    with pytest.raises(ValueError, match="inf_nan=False"):
+        g.cast_fp(torch.ones(2), 1, 2)
+
+
+def test_cast_tiles_scales_each_tile_by_its_absmax():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 45, generator=gen) * torch.exp2(torch.randint(-8, 8, (70, 45), generator=gen).float())
+    w[32:64, 32:45] = 0.0                                          # an all-zero (partial) tile
+    q = g.cast_tiles(w, 3, 4)
+    assert torch.equal(g.cast_tiles(q, 3, 4), q)               # idempotent: the tile scales stay
+    assert torch.equal(q[32:64, 32:45], w[32:64, 32:45])
+    for r, c in [(0, 0), (0, 1), (1, 0), (2, 1)]:                  # each tile on its own (edge tiles partial)
+        t = w[32 * r:32 * r + 32, 32 * c:32 * c + 32]
+        k = math.floor(math.log2(t.abs().max().item())) - 3      # absmax into e3m4's top binade [8, 16)
+        assert torch.equal(q[32 * r:32 * r + 32, 32 * c:32 * c + 32], g.cast_fp(t / 2.0 ** k, 3, 4) * 2.0 ** k)
+    w2 = w.clone()
+    w2[0, 0] = 1e6                                                  # another tile's scale is untouched
+    assert torch.equal(g.cast_tiles(w2, 3, 4)[32:], q[32:]) and torch.equal(g.cast_tiles(w2, 3, 4)[:, 32:], q[:, 32:])
+
+
+def test_cast_to_tiers_uses_each_tiles_clamped_b_t():
+    layer = g.GaussWSLinear(64, 64, bias=False, b_init=6.0, b_target=4.0)
+    model = torch.nn.Sequential(layer).eval()
+    w0 = layer.weight.detach().clone()
+    # b_t = 4 + 2 b_i: tiles at 4 (FP8), 7 (FP12), 11 (FP16) and 30 (clamped to 24: kept)
+    with torch.no_grad():
+        layer.b_i.copy_(torch.tensor([[0.0, 1.5], [3.5, 13.0]]))
+    share = g.cast_to_tiers(model)
+    assert share == {"FP8 e3m4": 0.25, "FP12 e4m7": 0.25, "FP16 e5m10": 0.25, ">FP16": 0.25}
+    stats = g.bitwidth_stats(model)["all"]
+    assert share["FP8 e3m4"] == stats["share_le5"]
+    assert share["FP8 e3m4"] + share["FP12 e4m7"] == stats["share_le9"]
+    w = layer.weight.detach()
+    for (r, c), (e, m) in {(0, 0): (3, 4), (0, 1): (4, 7), (1, 0): (5, 10)}.items():
+        sl = (slice(32 * r, 32 * r + 32), slice(32 * c, 32 * c + 32))
+        assert torch.equal(w[sl], g.cast_tiles(w0[sl], e, m)) and not torch.equal(w[sl], w0[sl])
+    assert torch.equal(w[32:, 32:], w0[32:, 32:])
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU-only: the compiled kernels = the reference
+
+@needs_compiled
+@needs_cuda
+@pytest.mark.parametrize("m,n", [(70, 45), (1, 1), (33, 100), (3072, 768), (4096, 4096)])
+def test_gpu_noise_kernels_equal_reference(m, n):
+    """On CUDA: packed R (eq. 10), w_hat and tile max of eq. 3 from the 3-step and the fused
+    kernels equal the reference bit for bit; the eq. 4 weight grad too, the bit grad within 1e-5
+    of the largest tile max * 1024; DiffQ's noise is equal and its w_hat within one FMA rounding."""
+    BF16 = torch.bfloat16
+    dev = "cuda"
+    seed = torch.tensor([0x1234_5678_9ABC, 17], device=dev)
+    ref = g._generate_torch(m, n, seed, "gaussws")
+    ker = g._generate_triton(m, n, seed, "gaussws")
+    assert torch.equal(ref, ker), f"packed R differs at {m}x{n}"
+    w = torch.randn(m, n, device=dev)
+    bt = 3 + 5 * torch.rand(g.tile_grid(m, n), device=dev)
+    pow2 = torch.exp2(1 - bt)
+    wr, tr = g._apply_torch(w, ref, pow2, "gaussws", BF16)
+    wk, tk = g._apply_triton(w, ker, pow2, seed, "gaussws", BF16, False)
+    wf, tf = g._apply_triton(w, None, pow2, seed, "gaussws", BF16, True)
+    assert torch.equal(wr, wk) and torch.equal(tr, tk), f"apply differs at {m}x{n}"
+    assert torch.equal(wr, wf) and torch.equal(tr, tf), f"fused apply differs at {m}x{n}"
+    gg = torch.randn(m, n, device=dev).to(BF16)
+    dwr, dpr = g._grad_torch(gg, ref, tr, "gaussws", torch.float32)
+    dwk, dpk = g._grad_triton(gg, ker, tr, seed, "gaussws", torch.float32, False)
+    dwf, dpf = g._grad_triton(gg, None, tr, seed, "gaussws", torch.float32, True)
+    bound = 1e-5 * (tr * 1024).max().item() + 1e-6
+    assert torch.equal(dwr, dwk) and torch.equal(dwr, dwf)
+    assert (dpr - dpk).abs().max().item() <= bound and (dpr - dpf).abs().max().item() <= bound
+    qr = g._generate_torch(m, n, seed, "diffq")
+    qk = g._generate_triton(m, n, seed, "diffq")
+    assert torch.equal(qr, qk), "diffq noise differs"
+    a, _ = g._apply_torch(w, qr, pow2, "diffq", BF16)
+    b, _ = g._apply_triton(w, qk, pow2, seed, "diffq", BF16, False)
+    # the GPU may fuse w + R·s into one FMA: differences of one fp32 rounding of R·s plus one
+    # BF16 rounding of the result are allowed
+    rs = g._broadcast_tiles(tr * pow2, m, n) * qr.float().abs()
+    bound = a.float().abs() * 2.0 ** -7 + rs * 2.0 ** -23
+    assert ((a.float() - b.float()).abs() <= bound).all(), "diffq apply off by more than the FMA bound"
+
+
+@needs_compiled
+@needs_cuda
+def test_gpu_noise_chi_square_67m_draws():
+    """8192 x 8192 GPU draws of the eq. 10 kernel against eq. 10 (4 dof) and of the Box-Muller
+    kernel against round(N(0,1)/2) with |R| >= 3 lumped (6 dof): p > 1e-6 each; the eq. 10 draws
+    reject the rounded normal law (p < 1e-12), so the test has power."""
+    seed = torch.tensor([0x1234_5678_9ABC, 17], device="cuda")
+    m = n = 8192
+    r = g.unpack_noise(g._generate_triton(m, n, seed, "gaussws"), n)
+    x = chi2_stat(r, g.NOISE_PROBS)
+    assert chi2_sf(x, 4) > 1e-6, x
+    assert chi2_sf(chi2_stat(r, rounded_normal_probs()), 4) < 1e-12
+    rb = g.unpack_noise(g._generate_triton(m, n, seed, "bm"), n).clamp(-3, 3)
+    phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))
+    probs = {k: phi(2 * k + 1) - phi(2 * k - 1) for k in range(-2, 3)}
+    probs[-3], probs[3] = phi(-5), 1 - phi(5)
+    xb = chi2_stat(rb, probs)
+    assert chi2_sf(xb, 6) > 1e-6, xb
+
+
 # =============================================================================================
-# model.py, data.py, train.py: CPU, in-process, on the `nano` presets and real text
+# model.py, data.py, train.py (CPU, in-process, nano presets and real text)
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -1458,7 +1948,14 @@ def read_log(out_dir):
         return [json.loads(line) for line in f]
 
 
-# ----------------------------------------------------------------------------- model
+def nano_args(corpus, *extra):
+    text, data_dir = corpus
+    return ["--preset", "nano", "--dataset", text, "--data_dir", data_dir, "--tokenizer", "byte",
+            "--batch_size", "4", "--eval_windows", "8", *extra]
+
+
+# ---------------------------------------------------------------------------------------------
+# model.py
 
 @pytest.mark.parametrize("preset", ["nano", "nano-llama"])
 def test_model_parts_names_and_shapes(preset):
@@ -1482,7 +1979,7 @@ def test_model_parts_names_and_shapes(preset):
 
 
 def test_paper_sizes():
-    # SPEC "Sizes that match the papers": counted with the papers' vocabularies
+    # the papers' model sizes (Llama2-134M, GPT-style 162M, GPT-2 124M), counted with their vocabularies
     def count(name, vocab):
         with torch.device("meta"):
             return GPT(preset_config(name, vocab_size=vocab)).num_params()
@@ -1504,7 +2001,8 @@ def test_causal_rope_model():
     assert not torch.allclose(a[0, 10:], b[0, 10:], atol=1e-3)
 
 
-# ----------------------------------------------------------------------------- data
+# ---------------------------------------------------------------------------------------------
+# data.py
 
 def test_prepare_byte_split_and_cache(tmp_path):
     text = "hello world\n" * 100 + "caf\u00e9 \u2603\n"
@@ -1575,7 +2073,86 @@ def test_batches_deterministic_and_fixed_val_windows(corpus, tmp_path):
     assert starts[0] == 0 and starts[-1] == b.n["val"] - 17
 
 
-# ----------------------------------------------------------------------------- schedule
+def test_max_tokens_is_part_of_the_cache_identity(tmp_path):
+    text = open(argparse.__file__, encoding="utf-8").read()
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    n = len(text.encode("utf-8"))
+    n_train = n - int(n * 0.1)
+    src, dd = str(tmp_path / "a.txt"), str(tmp_path / "d")
+    capped = datamod.prepare(src, "byte", data_dir=dd, max_tokens=5000, verbose=False)
+    full = datamod.prepare(src, "byte", data_dir=dd, verbose=False)   # a later run without the cap
+    assert capped != full and capped.endswith("-max5000")
+    assert datamod.load_meta(capped)["train_tokens"] == 5000 and datamod.load_meta(capped)["max_tokens"] == 5000
+    assert datamod.load_meta(full)["train_tokens"] == n_train and datamod.load_meta(full)["max_tokens"] is None
+    assert os.path.getsize(os.path.join(full, "train.bin")) == 2 * n_train   # uint16 tokens
+    # a folder left by an older data.py under the uncapped name, holding capped data and no record
+    # of the cap or the sources, is prepared again instead of being used
+    meta = datamod.load_meta(full)
+    np.fromfile(os.path.join(capped, "train.bin"), dtype=np.uint16).tofile(os.path.join(full, "train.bin"))
+    old = {k: v for k, v in meta.items() if k not in ("max_tokens", "source_files")}
+    with open(os.path.join(full, "meta.json"), "w") as f:
+        json.dump(dict(old, train_tokens=5000), f)
+    assert datamod.prepare(src, "byte", data_dir=dd, verbose=False) == full
+    assert datamod.load_meta(full)["train_tokens"] == n_train
+    assert os.path.getsize(os.path.join(full, "train.bin")) == 2 * n_train
+    # a prepared folder given directly is used as it is, but not with another cap
+    assert datamod.prepare(capped, "byte", max_tokens=5000, verbose=False) == capped
+    with pytest.raises(ValueError, match="--max_tokens 4000.*cap 5000"):
+        datamod.prepare(capped, "byte", max_tokens=4000, verbose=False)
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="--max_tokens"):
+            datamod.prepare(src, "byte", data_dir=dd, max_tokens=bad, verbose=False)
+
+
+def test_edited_or_renamed_source_is_prepared_again(tmp_path, capsys):
+    src, dd = tmp_path / "src", str(tmp_path / "d")
+    src.mkdir()
+    (src / "a.txt").write_text("alpha " * 100, encoding="utf-8")
+    (src / "b.txt").write_text("beta " * 40, encoding="utf-8")
+    folder = datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
+    assert datamod.load_meta(folder)["train_tokens"] + datamod.load_meta(folder)["val_tokens"] == 800
+    # edit: more text (and a newer mtime)
+    with open(src / "a.txt", "a", encoding="utf-8") as f:
+        f.write("gamma " * 10)
+    st = os.stat(src / "a.txt")
+    os.utime(src / "a.txt", (st.st_atime, st.st_mtime + 10))
+    capsys.readouterr()
+    assert datamod.prepare(str(src), "byte", data_dir=dd) == folder
+    assert "source files changed" in capsys.readouterr().out
+    meta = datamod.load_meta(folder)
+    assert meta["train_tokens"] + meta["val_tokens"] == 860
+    # rename (same bytes, same mtime): b.txt becomes the validation split
+    os.rename(src / "b.txt", src / "val_b.txt")
+    datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
+    meta = datamod.load_meta(folder)
+    assert (meta["train_tokens"], meta["val_tokens"]) == (660, 200)
+    # unchanged sources: reused, not rewritten
+    mtime = os.path.getmtime(os.path.join(folder, "meta.json"))
+    datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
+    assert os.path.getmtime(os.path.join(folder, "meta.json")) == mtime
+
+
+def test_binary_or_non_utf8_file_is_refused(tmp_path):
+    dd = str(tmp_path / "d")
+    (tmp_path / "blob").write_bytes(b"MZ\x90\x00" + bytes(range(256)) * 40)
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1") * 100)
+    with gzip.open(tmp_path / "packed.txt.gz", "wb") as f:
+        f.write(b"text\x00\x00\x00binary" * 100)
+    for name, why in (("blob", "NUL byte at offset 3"), ("latin1.txt", "invalid byte 0xe9 at offset 3"),
+                      ("packed.txt.gz", "NUL byte at offset 4")):
+        with pytest.raises(ValueError, match=f"{name}: not .*{why}"):
+            datamod.prepare(str(tmp_path / name), "byte", data_dir=dd, verbose=False)
+    # a multi-byte character cut by the 8 KB sniff boundary is still text; a bad byte after it is replaced
+    ok = ("a" + "\u00e9" * 5000).encode("utf-8") + b"\xff tail\n"
+    assert len(ok[:8192].decode("utf-8", errors="ignore").encode()) == 8191   # the cut is mid-character
+    (tmp_path / "ok.txt").write_bytes(ok)
+    folder = datamod.prepare(str(tmp_path / "ok.txt"), "byte", data_dir=dd, verbose=False)
+    meta = datamod.load_meta(folder)
+    assert meta["train_tokens"] + meta["val_tokens"] == len(ok) + 2   # U+FFFD is 3 bytes for 1
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py: schedule, flags, runs, resume, checkpoints
 
 def test_wsd_schedule_endpoints():
     lr, T = 1.0, 100  # 10 warmup steps, 80 constant, 10 cooldown steps
@@ -1596,8 +2173,6 @@ def test_cosine_and_constant_schedules():
     assert train.get_lr(5, T, 1.0, "constant") == pytest.approx(0.6)
     assert train.get_lr(99, T, 1.0, "constant") == 1.0
 
-
-# ----------------------------------------------------------------------------- flags
 
 @pytest.mark.parametrize("flags, words", [
     (["--method", "int4"], ["--method", "bf16", "gaussws", "diffq"]),
@@ -1625,8 +2200,6 @@ def test_batch_larger_than_data(corpus, tmp_path):
     with pytest.raises(train.RunError, match="--batch_size"):
         train.main(base_args(corpus, tmp_path / "o", "--batch_size", "5000", "--max_iters", "2"))
 
-
-# ----------------------------------------------------------------------------- training runs
 
 def _tensors_equal(a, b):
     if torch.is_tensor(a):
@@ -1799,130 +2372,12 @@ def test_ddp_two_processes_match_one_process_with_accumulation(corpus, tmp_path,
     assert np.allclose(res["one"]["val_loss"], res["many"]["val_loss"], atol=1e-4)
 
 
-# =============================================================================================
-# bench.py sections that also run on CPU (no timing is asserted)
-
-def test_bench_memory_matches_the_arithmetic():
-    import bench
-    res = bench.bench_memory(preset="nano", T=64, batch=2, device="cpu")
-    assert len(res["rows"]) == 8
-    for r in res["rows"]:
-        assert r["measured_B_per_param"] == pytest.approx(r["arithmetic_B_per_param"], rel=1e-12), r
-        assert r["measured_B_per_param"]["weights"] == 4.0 and r["measured_B_per_param"]["grads"] == 4.0
-    by = {(r["method"], r["memory"], r["optim"]): r for r in res["rows"]}
-    assert by[("bf16", "save", "adamw")]["measured_B_per_param"]["optimizer"] == 8.0
-    assert by[("gaussws", "recompute", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] == 0.0
-    assert by[("gaussws", "save", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] > 0.0
-
-
-def test_bench_power_during_parses_nvidia_smi(tmp_path, monkeypatch, capsys):
-    """power_during (optim table's W / SM MHz / cap% columns) against a fake nvidia-smi: it asks
-    for this device's PCI address, drops the samples of the settle time, reads "[N/A]" fields as
-    missing (not the whole sample), stops the sampler, and returns None with a message when
-    nothing is readable."""
-    import types
-    kept = ["600.0, 1980, 0x0000000000000000", "[N/A], 1700, 0x0000000000000004",
-            "700.0, 1600, 0x0000000000000004", "650.0, [N/A], [N/A]"]
-    fake = tmp_path / "nvidia-smi"     # 3 samples at once (the settle time: dropped), 4 later
-    fake.write_text("#!/bin/sh\necho \"$@\" > %s/args\nprintf '999.0, 100, 0x0\\n%%.0s' 1 2 3\n"
-                    "sleep 1\nprintf '%%s\\n' %s\nexec sleep 30\n"
-                    % (tmp_path, " ".join(f"'{x}'" for x in kept)))
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x19, pci_device_id=0)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    calls = [0]
-    r = bench.power_during(lambda: calls.__setitem__(0, calls[0] + 1), seconds=2.0, settle=0.5)
-    assert r == dict(power_w=650.0, sm_mhz=1700.0, power_cap_pct=200 / 3), r
-    assert calls[0] > 0 and "-i 00000000:19:00.0" in (tmp_path / "args").read_text()
-    fake.write_text("#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n")
-    assert bench.power_during(lambda: None, seconds=0.05) is None
-    assert "No devices were found" in capsys.readouterr().out
-
-
-def test_bench_train_runs_every_method_on_cpu():
-    import bench
-    seen = []
-    res = bench.bench_train(cases=[("nano", 2)], optims=("adamw",), steps=1, T=64, device="cpu",
-                            compile=False, on_row=lambda rows: seen.append(len(rows)))
-    assert [r["method"] for r in res["rows"]] == ["bf16", "gaussws", "diffq"]
-    assert seen == [1, 2, 3]                   # partial tables after each row
-    assert res["rows"][0]["overhead_pct"] == 0.0
-    assert all(r["tokens_per_s"] > 0 for r in res["rows"])
-    assert set(res["geomean_overhead_pct"]) == {"gaussws/adamw", "diffq/adamw"}
-
-
-# ----------------------------------------------------------------------------- trainer input checks, cache, resume
-
-def test_max_tokens_is_part_of_the_cache_identity(tmp_path):
-    text = open(argparse.__file__, encoding="utf-8").read()
-    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
-    n = len(text.encode("utf-8"))
-    n_train = n - int(n * 0.1)
-    src, dd = str(tmp_path / "a.txt"), str(tmp_path / "d")
-    capped = datamod.prepare(src, "byte", data_dir=dd, max_tokens=5000, verbose=False)
-    full = datamod.prepare(src, "byte", data_dir=dd, verbose=False)   # a later run without the cap
-    assert capped != full and capped.endswith("-max5000")
-    assert datamod.load_meta(capped)["train_tokens"] == 5000 and datamod.load_meta(capped)["max_tokens"] == 5000
-    assert datamod.load_meta(full)["train_tokens"] == n_train and datamod.load_meta(full)["max_tokens"] is None
-    assert os.path.getsize(os.path.join(full, "train.bin")) == 2 * n_train   # uint16 tokens
-    # a folder left by an older data.py under the uncapped name, holding capped data and no record
-    # of the cap or the sources, is prepared again instead of being used
-    meta = datamod.load_meta(full)
-    np.fromfile(os.path.join(capped, "train.bin"), dtype=np.uint16).tofile(os.path.join(full, "train.bin"))
-    old = {k: v for k, v in meta.items() if k not in ("max_tokens", "source_files")}
-    with open(os.path.join(full, "meta.json"), "w") as f:
-        json.dump(dict(old, train_tokens=5000), f)
-    assert datamod.prepare(src, "byte", data_dir=dd, verbose=False) == full
-    assert datamod.load_meta(full)["train_tokens"] == n_train
-    assert os.path.getsize(os.path.join(full, "train.bin")) == 2 * n_train
-    # a prepared folder given directly is used as it is, but not with another cap
-    assert datamod.prepare(capped, "byte", max_tokens=5000, verbose=False) == capped
-    with pytest.raises(ValueError, match="--max_tokens 4000.*cap 5000"):
-        datamod.prepare(capped, "byte", max_tokens=4000, verbose=False)
-    for bad in (0, -5, 2.5):
-        with pytest.raises(ValueError, match="--max_tokens"):
-            datamod.prepare(src, "byte", data_dir=dd, max_tokens=bad, verbose=False)
-
-
-def test_edited_or_renamed_source_is_prepared_again(tmp_path, capsys):
-    src, dd = tmp_path / "src", str(tmp_path / "d")
-    src.mkdir()
-    (src / "a.txt").write_text("alpha " * 100, encoding="utf-8")
-    (src / "b.txt").write_text("beta " * 40, encoding="utf-8")
-    folder = datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
-    assert datamod.load_meta(folder)["train_tokens"] + datamod.load_meta(folder)["val_tokens"] == 800
-    # edit: more text (and a newer mtime)
-    with open(src / "a.txt", "a", encoding="utf-8") as f:
-        f.write("gamma " * 10)
-    st = os.stat(src / "a.txt")
-    os.utime(src / "a.txt", (st.st_atime, st.st_mtime + 10))
-    capsys.readouterr()
-    assert datamod.prepare(str(src), "byte", data_dir=dd) == folder
-    assert "source files changed" in capsys.readouterr().out
-    meta = datamod.load_meta(folder)
-    assert meta["train_tokens"] + meta["val_tokens"] == 860
-    # rename (same bytes, same mtime): b.txt becomes the validation split
-    os.rename(src / "b.txt", src / "val_b.txt")
-    datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
-    meta = datamod.load_meta(folder)
-    assert (meta["train_tokens"], meta["val_tokens"]) == (660, 200)
-    # unchanged sources: reused, not rewritten
-    mtime = os.path.getmtime(os.path.join(folder, "meta.json"))
-    datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
-    assert os.path.getmtime(os.path.join(folder, "meta.json")) == mtime
-
-
 def test_resume_with_another_max_tokens_is_refused(corpus, tmp_path):
     args = base_args(corpus, tmp_path / "o", "--max_iters", "2", "--eval_interval", "2")
     train.main(args + ["--max_tokens", "5000"])
     with pytest.raises(train.RunError, match=r"--max_tokens 5000 \(checkpoint\) vs None"):
         train.main(args + ["--resume"])
 
-
-# ----------------------------------------------------------------------------- flags
 
 @pytest.mark.parametrize("flags, words", [
     (["--lr", "nan"], ["--lr nan", "> 0"]),
@@ -2009,8 +2464,6 @@ def test_stop_after_beyond_tokens_per_param_steps(corpus, tmp_path):
         train.main(base_args(corpus, tmp_path / "o", "--tokens_per_param", "0.01", "--stop_after", "1000"))
 
 
-# ----------------------------------------------------------------------------- resume
-
 def test_resume_covers_the_whole_run_and_a_finished_run_is_left_alone(corpus, tmp_path, capsys):
     out = tmp_path / "o"
     args = base_args(corpus, out, "--max_iters", "8", "--eval_interval", "4")
@@ -2063,27 +2516,6 @@ def test_unreadable_checkpoint_is_one_clear_line(tmp_path):
         assert "weights_only" not in msg and "Weights only load failed" not in msg
 
 
-# ----------------------------------------------------------------------------- text sources
-
-def test_binary_or_non_utf8_file_is_refused(tmp_path):
-    dd = str(tmp_path / "d")
-    (tmp_path / "blob").write_bytes(b"MZ\x90\x00" + bytes(range(256)) * 40)
-    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1") * 100)
-    with gzip.open(tmp_path / "packed.txt.gz", "wb") as f:
-        f.write(b"text\x00\x00\x00binary" * 100)
-    for name, why in (("blob", "NUL byte at offset 3"), ("latin1.txt", "invalid byte 0xe9 at offset 3"),
-                      ("packed.txt.gz", "NUL byte at offset 4")):
-        with pytest.raises(ValueError, match=f"{name}: not .*{why}"):
-            datamod.prepare(str(tmp_path / name), "byte", data_dir=dd, verbose=False)
-    # a multi-byte character cut by the 8 KB sniff boundary is still text; a bad byte after it is replaced
-    ok = ("a" + "\u00e9" * 5000).encode("utf-8") + b"\xff tail\n"
-    assert len(ok[:8192].decode("utf-8", errors="ignore").encode()) == 8191   # the cut is mid-character
-    (tmp_path / "ok.txt").write_bytes(ok)
-    folder = datamod.prepare(str(tmp_path / "ok.txt"), "byte", data_dir=dd, verbose=False)
-    meta = datamod.load_meta(folder)
-    assert meta["train_tokens"] + meta["val_tokens"] == len(ok) + 2   # U+FFFD is 3 bytes for 1
-
-
 def test_binary_file_in_train_py_is_a_one_line_error(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\x00" * 5000)
     with pytest.raises(train.RunError, match="weights.bin: not a text file"):
@@ -2108,390 +2540,6 @@ def test_validation_tail_is_announced_and_documented(tmp_path, capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "named val*, otherwise the last 10% of the tokens" in help_text
 
-
-# =============================================================================================
-# gaussws.py input checks: b_target <= b_init, parts, empty/float64 weights, b_t clamp, seeds
-
-def _gpt(kind):
-    torch.manual_seed(0)
-    return GPT(preset_config("nano-llama" if kind == "llama" else "nano", vocab_size=64))
-
-
-def _untouched(model):
-    return not g.pqt_layers(model)
-
-
-# ---------------------------------------------------------------------------------------------
-# b_init / b_target (eq. 11)
-
-def test_b_target_above_b_init_is_rejected_and_equal_is_fixed_bitwidth():
-    with pytest.raises(ValueError, match=r"b_target=8 > b_init=4.*b_target <= b_init.*eq\. 11"):
-        g.GaussWSLinear(64, 64, b_init=4, b_target=8)
-    m = _gpt("gpt2")
-    with pytest.raises(ValueError, match=r"b_target=6 > b_init=4"):
-        g.apply_pqt(m, b_init=4, b_target=6)
-    assert _untouched(m)
-    for bad in (0.5, 25, float("nan"), float("inf"), True, "6"):
-        with pytest.raises(ValueError, match="b_init="):
-            g.GaussWSLinear(8, 8, b_init=bad, b_target=1)
-    # b_init == b_target: b_t is b_target whatever b_i is, and b_i gets no gradient
-    torch.manual_seed(1)
-    layer = g.GaussWSLinear(45, 70, b_init=5, b_target=5)
-    with torch.no_grad():
-        layer.b_i.uniform_(-3, 3)
-    assert torch.equal(layer.b_t, torch.full((3, 2), 5.0))
-    layer(torch.randn(4, 45)).square().sum().backward()
-    assert torch.equal(layer.b_i.grad, torch.zeros(3, 2)) and layer.weight.grad.abs().sum() > 0
-    assert len(g.apply_pqt(_gpt("gpt2"), b_init=4, b_target=4)) == 8
-
-
-# ---------------------------------------------------------------------------------------------
-# parts
-
-def _have(msg):
-    return set(re.search(r"its blocks have: ([a-z, ]+)", msg).group(1).split(", "))
-
-
-@pytest.mark.parametrize("kind,parts,missing,have", [
-    ("llama", "qkv,out", "qkv", {"q", "k", "v", "out", "gate", "up", "down"}),
-    ("gpt2", "q,out", "q", {"qkv", "out", "up", "down"}),
-    ("gpt2", "gate,k,up", "gate, k", {"qkv", "out", "up", "down"})])
-def test_apply_pqt_rejects_parts_the_model_lacks(kind, parts, missing, have):
-    m = _gpt(kind)
-    with pytest.raises(ValueError, match=f"no nn.Linear named {missing} inside") as e:
-        g.apply_pqt(m, parts=parts)
-    assert _have(str(e.value)) == have
-    assert _untouched(m)                      # nothing replaced, not even the parts that exist
-
-
-def test_apply_pqt_all_and_od_work_for_both_model_kinds():
-    for kind, n_all in (("gpt2", 4), ("llama", 7)):
-        m = _gpt(kind)
-        names = g.apply_pqt(m, parts="all")
-        assert len(names) == 2 * n_all == len(g.pqt_layers(m))
-        assert "lm_head" not in " ".join(names)
-        od = g.apply_pqt(_gpt(kind), parts="od")
-        assert [n.rsplit(".", 1)[-1] for n in od] == ["out", "down", "out", "down"]
-        with pytest.raises(ValueError, match=r"have: none \(already GaussWSLinear: "):
-            g.apply_pqt(m, parts="all")       # applying twice names what is already replaced
-
-
-# ---------------------------------------------------------------------------------------------
-# empty weights, dtypes
-
-def test_empty_weight_is_rejected_with_a_clear_error():
-    with pytest.raises(ValueError, match="out_features=0 must be an int >= 1"):
-        g.GaussWSLinear(64, 0)
-    with pytest.raises(ValueError, match="in_features=0 must be an int >= 1"):
-        g.GaussWSLinear(0, 64)
-    with pytest.raises(ValueError, match=r"w has shape \(0, 64\): it must have at least one element"):
-        g.gaussws_sample(torch.empty(0, 64), torch.empty(0, 2), 0)
-    with pytest.raises(ValueError, match=r"w has shape \(5, 0\)"):
-        g.apply_noise(torch.empty(5, 0), torch.empty(5, 0, dtype=torch.int32), torch.empty(1, 0))
-
-
-def test_float64_is_rejected_at_construction():
-    with pytest.raises(TypeError, match="float64; allowed: float32, bfloat16, float16"):
-        g.GaussWSLinear(8, 8, dtype=torch.float64)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        with pytest.raises(TypeError, match="float64"):
-            g.GaussWSLinear(8, 8)
-    finally:
-        torch.set_default_dtype(old)
-    m = _gpt("gpt2").double()
-    with pytest.raises(TypeError, match=r"blocks\.0\.attn\.qkv\.weight has dtype torch\.float64"):
-        g.apply_pqt(m)
-    assert _untouched(m)
-    for dt in (torch.bfloat16, torch.float16):  # the allowed low-precision dtypes still construct
-        assert g.GaussWSLinear(8, 8, dtype=dt).weight.dtype == dt
-
-
-# ---------------------------------------------------------------------------------------------
-# b_t clamp to [B_MIN, B_MAX]
-
-def test_bt_clamped_in_sampling_with_eq4_inside_and_zero_grad_outside():
-    torch.manual_seed(2)
-    m, n = 70, 45                                          # tile grid (3, 2)
-    w = torch.randn(m, n)
-    bt_raw = torch.tensor([[-1996.0, 0.5], [1.0, 5.0], [24.0, 30.0]])
-    bt = bt_raw.clone().requires_grad_()
-    G = torch.randn(m, n)
-    seed = torch.tensor([123, 4])
-    w_hat = g.gaussws_sample(w, bt, seed, out_dtype=torch.float32, impl="torch")
-    assert torch.isfinite(w_hat).all()
-    (w_hat * G).sum().backward()
-    r = g.unpack_noise(g.generate_noise((m, n), seed), n).double()
-    tmax = g._tile_max_torch(w).double()
-    b_eff = bt_raw.double().clamp(1, 24)
-    ref = w.double() + r * g._broadcast_tiles(tmax * torch.exp2(1 - b_eff), m, n)   # eq. 3, clamped b_t
-    assert torch.allclose(w_hat.double(), ref, rtol=1e-6, atol=1e-6)
-    tsum = F.pad(G.double() * r, (0, -n % 32, 0, -m % 32)).view(3, 32, 2, 32).sum(dim=(1, 3))
-    eq4 = -math.log(2) * tmax * torch.exp2(1 - b_eff) * tsum
-    inside = (bt_raw >= 1) & (bt_raw <= 24)                 # the range ends count as inside
-    assert torch.allclose(bt.grad.double()[inside], eq4[inside], rtol=1e-4, atol=1e-6)
-    assert (eq4[inside].abs() > 0).all() and torch.equal(bt.grad[~inside], torch.zeros(3))
-
-
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-def test_layer_with_runaway_b_i_stays_finite_and_equals_clamped(impl):
-    torch.manual_seed(3)
-    x = torch.randn(3, 45)
-    out = {}
-    for b_i in (-1000.0, -1.5, 10.0, 500.0):                # b_t = -1996, 1, 24, 1004
-        layer = g.GaussWSLinear(45, 70, seed=9, impl=impl)  # same seed, same init weights
-        torch.manual_seed(4)
-        layer.reset_parameters()
-        with torch.no_grad():
-            layer.b_i.fill_(b_i)
-        out[b_i] = layer(x)
-        assert torch.isfinite(out[b_i]).all(), b_i
-    assert torch.equal(out[-1000.0], out[-1.5]) and torch.equal(out[500.0], out[10.0])
-    assert not torch.equal(out[-1.5], out[10.0])
-
-
-def test_penalty_pulls_clamped_tiles_back_and_stats_report_effective_bits():
-    layer = g.GaussWSLinear(64, 32, b_init=6, b_target=4)   # tiles (1, 2)
-    with torch.no_grad():
-        layer.b_i.copy_(torch.tensor([[-1000.0, 20.0]]))    # b_t = -1996, 44
-    holder = nn.Module()
-    holder.l = layer
-    g.bitwidth_penalty(holder).backward()
-    # d/d b_i of mean |b_t - 4| = sign(b_t - 4) · 2 / 2 tiles: descent moves both toward b_target
-    assert torch.equal(layer.b_i.grad, torch.tensor([[-1.0, 1.0]]))
-    s = g.bitwidth_stats(holder)
-    assert s["l"]["min"] == 1.0 and s["l"]["max"] == 24.0 and s["all"]["mean"] == 12.5
-    assert torch.equal(layer.b_t, torch.tensor([[-1996.0, 44.0]]))   # eq. 11 itself is not clamped
-
-
-# ---------------------------------------------------------------------------------------------
-# seeds: one rule, int (not bool) in [0, 2**63)
-
-@pytest.mark.parametrize("seed,err,msg", [
-    (-1, ValueError, r"seed=-1 must be an int in \[0, 2\*\*63\)"),
-    (2 ** 63, ValueError, r"seed=9223372036854775808"),
-    (2 ** 64, ValueError, r"seed=18446744073709551616"),
-    ("abc", TypeError, r"seed must be an int.*got str 'abc'"),
-    (1.5, TypeError, r"got float 1\.5"),
-    (True, TypeError, r"got bool True")])
-def test_seed_rule_is_the_same_everywhere(seed, err, msg):
-    m = _gpt("gpt2")
-    with pytest.raises(err, match=msg):
-        g.apply_pqt(m, seed=seed)
-    assert _untouched(m)
-    with pytest.raises(err, match=msg):
-        g.GaussWSLinear(8, 8, seed=seed)
-    with pytest.raises(err, match=msg):
-        g.gaussws_sample(torch.randn(8, 8), torch.full((1, 1), 4.0), seed)
-
-
-def test_largest_seed_is_accepted_everywhere():
-    s = 2 ** 63 - 1
-    assert len(g.apply_pqt(_gpt("gpt2"), seed=s)) == 8
-    assert g.GaussWSLinear(8, 8, seed=s).noise_state[0].item() >= 0
-    assert g.gaussws_sample(torch.randn(8, 8), torch.full((1, 1), 4.0), s).shape == (8, 8)
-
-
-# ---------------------------------------------------------------------------------------------
-# bitwidth_stats / penalty / pqt_layers on models without PQT layers and on non-modules
-
-def test_stats_without_pqt_layers_and_non_modules():
-    m = _gpt("gpt2")
-    with pytest.raises(ValueError, match="bitwidth_stats: model GPT has no GaussWSLinear layer"):
-        g.bitwidth_stats(m)
-    assert g.bitwidth_penalty(m).item() == 0.0 and g.pqt_layers(m) == []
-    for fn in (g.bitwidth_stats, g.bitwidth_penalty, g.pqt_layers, g.apply_pqt):
-        with pytest.raises(TypeError, match=f"{fn.__name__}: model must be a torch.nn.Module, got NoneType"):
-            fn(None)
-    g.apply_pqt(m, parts="od")
-    assert set(g.bitwidth_stats(m)) == {"all"} | {n for n, _ in g.pqt_layers(m)}
-
-
-# ---------------------------------------------------------------------------------------------
-# references in the source
-
-def test_gaussws_cites_the_paper_and_existing_benchmark():
-    src = open(g.__file__, encoding="utf-8").read()
-    assert "SPEC" not in src and "bench_noise_draft" not in src
-    assert "python bench.py --only noise" in src
-    bench = open(os.path.join(os.path.dirname(g.__file__), "bench.py"), encoding="utf-8").read()
-    assert re.search(r'"--only", choices=\[[^\]]*"noise"', bench)
-
-
-def test_bench_quality_compares_runs_with_shared_baseline(corpus, tmp_path):
-    args = base_args(corpus, tmp_path / "unused", "--max_iters", "4", "--eval_interval", "2")
-    args = args[:args.index("--out_dir")] + args[args.index("--out_dir") + 2:]
-    exps = {"optim": [("bf16", "fp32"), ("bf16", "torchao"), ("bf16", "zipsr")],
-            "pqt": [("bf16", "fp32"), ("gaussws", "fp32")]}
-    res = experiments.bench_quality(args, seeds=(0, 1), out_dir=str(tmp_path), experiments=exps)["experiments"]
-    runs = {d for d in os.listdir(tmp_path) if os.path.isdir(tmp_path / d)}
-    assert runs == {f"{r}_s{s}" for r in ("bf16_fp32", "bf16_torchao", "bf16_zipsr", "gaussws_fp32")
-                    for s in (0, 1)}                  # the shared bf16/fp32 run is trained once
-    opt = res["optim"]
-    assert opt["bf16/fp32"]["gap_to_first"] == 0.0
-    assert opt["bf16/torchao"]["share_of_torchao_gap_closed"] == pytest.approx(0.0)
-    for k, r in opt.items():
-        assert len(r["final_val_loss"]) == 2 and r["mean"] == pytest.approx(sum(r["final_val_loss"]) / 2)
-    assert res["pqt"]["bf16/fp32"]["mean"] == opt["bf16/fp32"]["mean"]
-    assert opt["bf16/zipsr"]["optimizer_state_mb"] < opt["bf16/fp32"]["optimizer_state_mb"]
-
-
-def test_bucket_lut_equals_searchsorted():
-    """The kernel's level search (bucket j = trunc(y * n/2 + n/2) in float32 -- exactly the
-    kernel's fma, as y * n/2 is exact --, then count_j + (y >= bound_j) from entry j) equals
-    torch.searchsorted(bounds, y, right=True) for every codebook's level midpoints (State-RTN)
-    and inner levels (the other rules), at the table's own bucket count and at the largest, on
-    adversarial y: each bound and each bucket edge +- 0..3 ulps, the ends of [-1, 1] and random y."""
-    from codebooks import CODEBOOKS
-    gen = torch.Generator().manual_seed(21)
-    sizes = set()
-    for name in CODEBOOKS:
-        T = get_codebook(name)
-        for bounds in (A._midpoints(T), T[1:-1]):
-            for lut in (A._bucket_lut(bounds), A._bucket_lut(bounds, A.LUT_BUCKETS[-1])):
-                n = lut.numel() - 1
-                sizes.add(n)
-                count = (lut & 0xFFFFFFFF).to(torch.int32)
-                bound = (lut >> 32).to(torch.int32).view(torch.float32)
-                edges = (-1 + 2 * torch.arange(n + 2, dtype=torch.float64) / n).float()
-                y = torch.cat([bounds, edges, torch.tensor([-1.0, 0.0, 1.0]),
-                               torch.rand(4000, generator=gen) * 2 - 1])
-                for _ in range(3):
-                    y = torch.cat([y, torch.nextafter(y, y + torch.inf), torch.nextafter(y, y - torch.inf)]).unique()
-                y = y[y.abs() <= 1 + 2 ** -22]                 # |x (1/s)| <= 1 up to rounding
-                j = (y * (n / 2) + n / 2).to(torch.int32).long()
-                got = count[j].long() + (y >= bound[j]).long()
-                assert torch.equal(got, torch.searchsorted(bounds, y, right=True)), (name, n)
-    assert {32, 512, 1024} <= sizes                      # NF4 needs 32 buckets, Dyn4 512
-    with pytest.raises(ValueError, match="closer than"):
-        A._bucket_lut(torch.tensor([0.0, 0.5, 0.5005, 1.0]))
-    with pytest.raises(ValueError, match="closer than"):   # too dense for 32 buckets, not 64
-        A._bucket_lut(torch.tensor([-0.5, -0.45, 0.5]), 32)
-    assert A._bucket_lut(torch.tensor([-0.5, -0.45, 0.5])).numel() == 65
-
-
-# ---------------------------------------------------------------------------------------------
-# experiments.py: zero-point runs, Table C casting, Figure 5 data, concurrent runs
-
-def nano_args(corpus, *extra):
-    text, data_dir = corpus
-    return ["--preset", "nano", "--dataset", text, "--data_dir", data_dir, "--tokenizer", "byte",
-            "--batch_size", "4", "--eval_windows", "8", *extra]
-
-
-# ---------------------------------------------------------------------------------------------
-# cast_fp: hand-checkable values, independent references, brute force
-
-def test_cast_fp_fp4_e2m1_grid_ties_and_saturation():
-    # OCP FP4 E2M1 (no inf/NaN codes): 0, 0.5, 1, 1.5, 2, 3, 4, 6
-    x = torch.tensor([0.5, 1.5, 3.0, 6.0, 0.1, 0.3, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 1e9,
-                      float("inf"), -float("inf"), -2.9, -0.26, 0.0])
-    want = [0.5, 1.5, 3.0, 6.0, 0.0, 0.5, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0,
-            6.0, -6.0, -3.0, -0.5, 0.0]
-    # ties: 0.25 -> 0 (code 0 even, not the subnormal 0.5), 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
-    # 2.5 -> 2, 3.5 -> 4, 5 -> 4: the neighbour whose mantissa bit is 0
-    assert g.cast_fp(x, 2, 1, inf_nan=False).tolist() == want
-    assert math.isnan(g.cast_fp(torch.tensor([float("nan")]), 2, 1, inf_nan=False).item())
-
-
-def test_cast_fp_e3m4_subnormals_and_saturation():
-    # IEEE-style e3m4 (Table C's FP8 tier): bias 3, emin -2, emax 3 (exponent 7 = inf/NaN),
-    # subnormal step 2^(-2-4) = 1/64, largest finite (2 - 1/16) * 8 = 15.5
-    s = 1 / 64
-    x = torch.tensor([s, s / 2, 3 * s / 2, 5 * s / 2, 0.4 * s, 0.25, 0.25 + s / 2, 15.5, 15.7, 100.0, -1e30])
-    want = [s, 0.0, 2 * s, 2 * s, 0.0, 0.25, 0.25, 15.5, 15.5, 15.5, -15.5]
-    # 0.25 + s/2: 0.25 is in binade [2^-2, 2^-1) with step 2^-6 = s, so s/2 is a tie -> 0.25 (even)
-    assert g.cast_fp(x, 3, 4).tolist() == want
-
-
-def test_cast_fp_matches_torch_float16_and_float8():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(50_000, generator=gen) * torch.exp2(torch.randint(-30, 20, (50_000,), generator=gen).float())
-    h = x.clamp(-65504, 65504)                       # IEEE half = e5m10 with inf/NaN codes
-    assert torch.equal(g.cast_fp(h, 5, 10), h.half().float())
-    y = x.clamp(-57344, 57344)                       # float8_e5m2: IEEE-style
-    assert torch.equal(g.cast_fp(y, 5, 2), y.to(torch.float8_e5m2).float())
-    z = x.clamp(-440, 440)                           # float8_e4m3fn: all exponents finite (below 448)
-    assert torch.equal(g.cast_fp(z, 4, 3, inf_nan=False), z.to(torch.float8_e4m3fn).float())
-
-
-def _grid(e, m, inf_nan):
-    """All nonnegative values of the format, by code, in increasing order (code parity = mantissa LSB)."""
-    bias = 2 ** (e - 1) - 1
-    vals = []
-    for E, M in itertools.product(range(2 ** e - (1 if inf_nan else 0)), range(2 ** m)):
-        vals.append(M * 2.0 ** (1 - bias - m) if E == 0 else (1 + M / 2 ** m) * 2.0 ** (E - bias))
-    return torch.tensor(vals, dtype=torch.float64)
-
-
-@pytest.mark.parametrize("e,m,inf_nan", [(3, 4, True), (4, 7, True), (2, 1, False), (4, 3, True), (3, 2, False)])
-def test_cast_fp_is_the_nearest_grid_point_ties_to_even(e, m, inf_nan):
-    grid = _grid(e, m, inf_nan)
-    assert torch.all(grid[1:] > grid[:-1])
-    gen = torch.Generator().manual_seed(e * 100 + m)
-    x = (torch.rand(4000, generator=gen, dtype=torch.float64) * 2 - 1) * grid[-1] * 1.2
-    x = torch.cat([x, x / 64, x / 2 ** 12])
-    q = g.cast_fp(x, e, m, inf_nan)
-    dist = (x.abs()[:, None] - grid[None, :]).abs()
-    assert torch.equal(q.abs(), grid[dist.argmin(1)])            # nearest (saturating beyond the top)
-    assert torch.equal(torch.sign(q), torch.sign(x) * (q != 0))
-    mid = (grid[1:] + grid[:-1]) / 2                              # exact ties: the even code wins
-    even = torch.where(torch.arange(len(mid)) % 2 == 0, grid[:-1], grid[1:])
-    assert torch.equal(g.cast_fp(mid, e, m, inf_nan), even)
-    assert torch.equal(g.cast_fp(-mid, e, m, inf_nan), -even)
-    assert torch.equal(g.cast_fp(grid, e, m, inf_nan), grid)  # grid points are fixed points
-
-
-def test_cast_fp_rejects_bad_formats():
-    with pytest.raises(ValueError, match=r"cast_fp: exp_bits=0 must be an int in \[1, 8\]"):
-        g.cast_fp(torch.ones(2), 0, 3)
-    with pytest.raises(ValueError, match=r"man_bits=2.5"):
-        g.cast_fp(torch.ones(2), 3, 2.5)
-    with pytest.raises(ValueError, match="inf_nan=False"):
-        g.cast_fp(torch.ones(2), 1, 2)
-
-
-# ---------------------------------------------------------------------------------------------
-# tiles and Table C tiers
-
-def test_cast_tiles_scales_each_tile_by_its_absmax():
-    gen = torch.Generator().manual_seed(1)
-    w = torch.randn(70, 45, generator=gen) * torch.exp2(torch.randint(-8, 8, (70, 45), generator=gen).float())
-    w[32:64, 32:45] = 0.0                                          # an all-zero (partial) tile
-    q = g.cast_tiles(w, 3, 4)
-    assert torch.equal(g.cast_tiles(q, 3, 4), q)               # idempotent: the tile scales stay
-    assert torch.equal(q[32:64, 32:45], w[32:64, 32:45])
-    for r, c in [(0, 0), (0, 1), (1, 0), (2, 1)]:                  # each tile on its own (edge tiles partial)
-        t = w[32 * r:32 * r + 32, 32 * c:32 * c + 32]
-        k = math.floor(math.log2(t.abs().max().item())) - 3      # absmax into e3m4's top binade [8, 16)
-        assert torch.equal(q[32 * r:32 * r + 32, 32 * c:32 * c + 32], g.cast_fp(t / 2.0 ** k, 3, 4) * 2.0 ** k)
-    w2 = w.clone()
-    w2[0, 0] = 1e6                                                  # another tile's scale is untouched
-    assert torch.equal(g.cast_tiles(w2, 3, 4)[32:], q[32:]) and torch.equal(g.cast_tiles(w2, 3, 4)[:, 32:], q[:, 32:])
-
-
-def test_cast_to_tiers_uses_each_tiles_clamped_b_t():
-    layer = g.GaussWSLinear(64, 64, bias=False, b_init=6.0, b_target=4.0)
-    model = torch.nn.Sequential(layer).eval()
-    w0 = layer.weight.detach().clone()
-    # b_t = 4 + 2 b_i: tiles at 4 (FP8), 7 (FP12), 11 (FP16) and 30 (clamped to 24: kept)
-    with torch.no_grad():
-        layer.b_i.copy_(torch.tensor([[0.0, 1.5], [3.5, 13.0]]))
-    share = g.cast_to_tiers(model)
-    assert share == {"FP8 e3m4": 0.25, "FP12 e4m7": 0.25, "FP16 e5m10": 0.25, ">FP16": 0.25}
-    stats = g.bitwidth_stats(model)["all"]
-    assert share["FP8 e3m4"] == stats["share_le5"]
-    assert share["FP8 e3m4"] + share["FP12 e4m7"] == stats["share_le9"]
-    w = layer.weight.detach()
-    for (r, c), (e, m) in {(0, 0): (3, 4), (0, 1): (4, 7), (1, 0): (5, 10)}.items():
-        sl = (slice(32 * r, 32 * r + 32), slice(32 * c, 32 * c + 32))
-        assert torch.equal(w[sl], g.cast_tiles(w0[sl], e, m)) and not torch.equal(w[sl], w0[sl])
-    assert torch.equal(w[32:, 32:], w0[32:, 32:])
-
-
-# ---------------------------------------------------------------------------------------------
-# train.py --v_codebook / --v_rounding
 
 def _optimizer(argv):
     p = train.build_parser()
@@ -2540,8 +2588,81 @@ def test_v_flags_are_in_the_run_config_for_resume(corpus, tmp_path, capsys):
         train.main([x if x != "state-rtn" else "state-sr" for x in a] + ["--resume"])
 
 
-# ---------------------------------------------------------------------------------------------
-# the quality runner end to end: 2 experiments, 2 concurrent subprocesses
+# =============================================================================================
+# bench.py: the sections that also run on CPU (no timing is asserted)
+
+def test_bench_memory_matches_the_arithmetic():
+    import bench
+    res = bench.bench_memory(preset="nano", T=64, batch=2, device="cpu")
+    assert len(res["rows"]) == 8
+    for r in res["rows"]:
+        assert r["measured_B_per_param"] == pytest.approx(r["arithmetic_B_per_param"], rel=1e-12), r
+        assert r["measured_B_per_param"]["weights"] == 4.0 and r["measured_B_per_param"]["grads"] == 4.0
+    by = {(r["method"], r["memory"], r["optim"]): r for r in res["rows"]}
+    assert by[("bf16", "save", "adamw")]["measured_B_per_param"]["optimizer"] == 8.0
+    assert by[("gaussws", "recompute", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] == 0.0
+    assert by[("gaussws", "save", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] > 0.0
+
+
+def test_bench_power_during_parses_nvidia_smi(tmp_path, monkeypatch, capsys):
+    """power_during (optim table's W / SM MHz / cap% columns) against a fake nvidia-smi: it asks
+    for this device's PCI address, drops the samples of the settle time, reads "[N/A]" fields as
+    missing (not the whole sample), stops the sampler, and returns None with a message when
+    nothing is readable."""
+    import types
+    kept = ["600.0, 1980, 0x0000000000000000", "[N/A], 1700, 0x0000000000000004",
+            "700.0, 1600, 0x0000000000000004", "650.0, [N/A], [N/A]"]
+    fake = tmp_path / "nvidia-smi"     # 3 samples at once (the settle time: dropped), 4 later
+    fake.write_text("#!/bin/sh\necho \"$@\" > %s/args\nprintf '999.0, 100, 0x0\\n%%.0s' 1 2 3\n"
+                    "sleep 1\nprintf '%%s\\n' %s\nexec sleep 30\n"
+                    % (tmp_path, " ".join(f"'{x}'" for x in kept)))
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x19, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = [0]
+    r = bench.power_during(lambda: calls.__setitem__(0, calls[0] + 1), seconds=2.0, settle=0.5)
+    assert r == dict(power_w=650.0, sm_mhz=1700.0, power_cap_pct=200 / 3), r
+    assert calls[0] > 0 and "-i 00000000:19:00.0" in (tmp_path / "args").read_text()
+    fake.write_text("#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n")
+    assert bench.power_during(lambda: None, seconds=0.05) is None
+    assert "No devices were found" in capsys.readouterr().out
+
+
+def test_bench_train_runs_every_method_on_cpu():
+    import bench
+    seen = []
+    res = bench.bench_train(cases=[("nano", 2)], optims=("adamw",), steps=1, T=64, device="cpu",
+                            compile=False, on_row=lambda rows: seen.append(len(rows)))
+    assert [r["method"] for r in res["rows"]] == ["bf16", "gaussws", "diffq"]
+    assert seen == [1, 2, 3]                   # partial tables after each row
+    assert res["rows"][0]["overhead_pct"] == 0.0
+    assert all(r["tokens_per_s"] > 0 for r in res["rows"])
+    assert set(res["geomean_overhead_pct"]) == {"gaussws/adamw", "diffq/adamw"}
+
+
+# =============================================================================================
+# experiments.py: quality runs, figures, the command line
+
+def test_bench_quality_compares_runs_with_shared_baseline(corpus, tmp_path):
+    args = base_args(corpus, tmp_path / "unused", "--max_iters", "4", "--eval_interval", "2")
+    args = args[:args.index("--out_dir")] + args[args.index("--out_dir") + 2:]
+    exps = {"optim": [("bf16", "fp32"), ("bf16", "torchao"), ("bf16", "zipsr")],
+            "pqt": [("bf16", "fp32"), ("gaussws", "fp32")]}
+    res = experiments.bench_quality(args, seeds=(0, 1), out_dir=str(tmp_path), experiments=exps)["experiments"]
+    runs = {d for d in os.listdir(tmp_path) if os.path.isdir(tmp_path / d)}
+    assert runs == {f"{r}_s{s}" for r in ("bf16_fp32", "bf16_torchao", "bf16_zipsr", "gaussws_fp32")
+                    for s in (0, 1)}                  # the shared bf16/fp32 run is trained once
+    opt = res["optim"]
+    assert opt["bf16/fp32"]["gap_to_first"] == 0.0
+    assert opt["bf16/torchao"]["share_of_torchao_gap_closed"] == pytest.approx(0.0)
+    for k, r in opt.items():
+        assert len(r["final_val_loss"]) == 2 and r["mean"] == pytest.approx(sum(r["final_val_loss"]) / 2)
+    assert res["pqt"]["bf16/fp32"]["mean"] == opt["bf16/fp32"]["mean"]
+    assert opt["bf16/zipsr"]["optimizer_state_mb"] < opt["bf16/fp32"]["optimizer_state_mb"]
+
 
 def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -2687,25 +2808,6 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
             bench.main()
 
 
-def test_state_dict_round_trip_with_custom_codebook_tensors():
-    """A custom (tensor) codebook survives state_dict/load_state_dict; another codebook is refused."""
-    def make(cb):
-        p = torch.nn.Parameter(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)))
-        p.grad = torch.randn(64, 128, generator=torch.Generator().manual_seed(4))
-        return p, A.AdamW4bit([p], impl="torch", v_codebook=cb, v_rounding="state-rtn")
-    cb = torch.linspace(0, 1, 16)
-    p, opt = make(cb)
-    opt.step()
-    q, opt2 = make(cb.clone())
-    opt2.load_state_dict(opt.state_dict())
-    assert torch.equal(opt2.state[q]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
-    _, opt3 = make(torch.linspace(0, 1, 16) ** 2)
-    with pytest.raises(ValueError, match="another configuration"):
-        opt3.load_state_dict(opt.state_dict())
-    with pytest.raises(ValueError, match="v_codebook"):
-        A.AdamW4bit([p], v_codebook="nope")
-
-
 def test_quality_bench_sigterm_ends_its_runs(corpus, tmp_path):
     """A time limit's SIGTERM to `bench.py --only quality --jobs 2` also ends its train.py runs."""
     import signal
@@ -2743,27 +2845,6 @@ def test_quality_bench_sigterm_ends_its_runs(corpus, tmp_path):
     assert not runs_alive()
 
 
-def test_kernel_bf16_grads_at_odd_offsets():
-    """BF16 gradient views that start at an odd 2-byte offset (as in a flat gradient buffer; the
-    launch then reads element by element instead of 16-byte vectors) give the reference's
-    result bit for bit."""
-    ref, o_ref, ker, o_ker = _twin_optimizers(preset="zeeden")
-    g = torch.Generator().manual_seed(22)
-    for _ in range(2):
-        n = sum(p.numel() for p in ref)
-        flat = (torch.randn(n + 1, generator=g) * 1e-2).to(torch.bfloat16)
-        off = 1
-        for a, b in zip(ref, ker):
-            a.grad_dtype = b.grad_dtype = None
-            view = flat[off:off + a.numel()].view(a.shape)
-            a.grad, b.grad = view.clone(), view
-            off += a.numel()
-        assert any(b.grad.data_ptr() % 4 for b in ker if o_ker.is_quantized(b))
-        o_ref.step()
-        o_ker.step()
-    _assert_twins_equal(ref, o_ref, ker, o_ker)
-
-
 def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
     """experiments.py quality takes bench.py --only quality's flags and names its own in errors;
     experiments.py plots skips a file without a known section; bench.py --help lists both."""
@@ -2777,115 +2858,3 @@ def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
     (tmp_path / "mystery.json").write_text("{}")
     experiments.main(["plots", str(tmp_path / "mystery.json")])
     assert "no plot for" in capsys.readouterr().out
-
-
-# =============================================================================================
-# GPU-only checks: the compiled kernels against the reference on CUDA. On a GPU machine:
-# TRITON_INTERPRET=0 python -m pytest -q test_all.py -k gpu
-
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="GPU-only check needs a CUDA GPU: it compares the compiled Triton kernels with the reference "
-           "(the CPU tests above run the same kernels under the Triton interpreter)")
-needs_compiled = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") == "1",
-    reason="GPU-only check needs the compiled kernels: run it with TRITON_INTERPRET=0")
-
-
-@needs_compiled
-@needs_cuda
-def test_gpu_fused_adamw4bit_step_bit_identical_to_reference():
-    """On CUDA the fused step gives the CPU reference's parameters and packed states bit for bit
-    over 8 steps (random shapes, fp32 and bf16 grads) for the RTN presets and for ZIP-SR's m with
-    v by Update-RTN; the FP32-state tensors agree to 1e-5; a GPU state_dict loads into a CPU
-    optimizer exactly."""
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(4096,), (33, 384), (1000, 128 * 3), (77, 1024), (100,)]
-    for kw in (dict(preset="torchao"), dict(preset="zeeden"),
-               dict(preset="zipsr", v_rounding="update-rtn")):
-        cpu = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
-        gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
-        o_c = A.AdamW4bit(cpu, impl="torch", lr=1e-2, **kw)
-        o_g = A.AdamW4bit(gpu, impl="triton", lr=1e-2, **kw)
-        for step in range(8):
-            for a, b in zip(cpu, gpu):
-                a.grad_dtype = b.grad_dtype = None
-                gr = torch.randn(a.shape, generator=gen) * 10 ** (-1 - 3 * torch.rand(1, generator=gen).item())
-                if step % 2:
-                    gr = gr.bfloat16()
-                a.grad, b.grad = gr.clone(), gr.cuda()
-            o_c.step()
-            o_g.step()
-        quantized = [(a, b) for a, b in zip(cpu, gpu) if o_c.is_quantized(a)]
-        assert len(quantized) == 4, kw
-        for a, b in quantized:
-            assert torch.equal(a, b.cpu()), (kw, tuple(a.shape))
-            for k in o_c.state[a].keys() - {"step"}:
-                assert torch.equal(o_c.state[a][k], o_g.state[b][k].cpu()), (kw, tuple(a.shape), k)
-        assert max((a - b.cpu()).abs().max().item() for a, b in zip(cpu, gpu)) < 1e-5, kw
-    o_c2 = A.AdamW4bit(cpu, impl="torch", lr=1e-2, preset="zipsr", v_rounding="update-rtn")
-    o_c2.load_state_dict(o_g.state_dict())
-    for a, b in zip(cpu, gpu):
-        assert o_c2.state[a]["step"] == o_g.state[b]["step"]
-        for k in o_g.state[b].keys() - {"step"}:
-            assert torch.equal(o_c2.state[a][k], o_g.state[b][k].cpu()), (tuple(a.shape), k)
-
-
-@needs_compiled
-@needs_cuda
-@pytest.mark.parametrize("m,n", [(70, 45), (1, 1), (33, 100), (3072, 768), (4096, 4096)])
-def test_gpu_noise_kernels_equal_reference(m, n):
-    """On CUDA: packed R (eq. 10), w_hat and tile max of eq. 3 from the 3-step and the fused
-    kernels equal the reference bit for bit; the eq. 4 weight grad too, the bit grad within 1e-5
-    of the largest tile max * 1024; DiffQ's noise is equal and its w_hat within one FMA rounding."""
-    BF16 = torch.bfloat16
-    dev = "cuda"
-    seed = torch.tensor([0x1234_5678_9ABC, 17], device=dev)
-    ref = g._generate_torch(m, n, seed, "gaussws")
-    ker = g._generate_triton(m, n, seed, "gaussws")
-    assert torch.equal(ref, ker), f"packed R differs at {m}x{n}"
-    w = torch.randn(m, n, device=dev)
-    bt = 3 + 5 * torch.rand(g.tile_grid(m, n), device=dev)
-    pow2 = torch.exp2(1 - bt)
-    wr, tr = g._apply_torch(w, ref, pow2, "gaussws", BF16)
-    wk, tk = g._apply_triton(w, ker, pow2, seed, "gaussws", BF16, False)
-    wf, tf = g._apply_triton(w, None, pow2, seed, "gaussws", BF16, True)
-    assert torch.equal(wr, wk) and torch.equal(tr, tk), f"apply differs at {m}x{n}"
-    assert torch.equal(wr, wf) and torch.equal(tr, tf), f"fused apply differs at {m}x{n}"
-    gg = torch.randn(m, n, device=dev).to(BF16)
-    dwr, dpr = g._grad_torch(gg, ref, tr, "gaussws", torch.float32)
-    dwk, dpk = g._grad_triton(gg, ker, tr, seed, "gaussws", torch.float32, False)
-    dwf, dpf = g._grad_triton(gg, None, tr, seed, "gaussws", torch.float32, True)
-    bound = 1e-5 * (tr * 1024).max().item() + 1e-6
-    assert torch.equal(dwr, dwk) and torch.equal(dwr, dwf)
-    assert (dpr - dpk).abs().max().item() <= bound and (dpr - dpf).abs().max().item() <= bound
-    qr = g._generate_torch(m, n, seed, "diffq")
-    qk = g._generate_triton(m, n, seed, "diffq")
-    assert torch.equal(qr, qk), "diffq noise differs"
-    a, _ = g._apply_torch(w, qr, pow2, "diffq", BF16)
-    b, _ = g._apply_triton(w, qk, pow2, seed, "diffq", BF16, False)
-    # the GPU may fuse w + R·s into one FMA: differences of one fp32 rounding of R·s plus one
-    # BF16 rounding of the result are allowed
-    rs = g._broadcast_tiles(tr * pow2, m, n) * qr.float().abs()
-    bound = a.float().abs() * 2.0 ** -7 + rs * 2.0 ** -23
-    assert ((a.float() - b.float()).abs() <= bound).all(), "diffq apply off by more than the FMA bound"
-
-
-@needs_compiled
-@needs_cuda
-def test_gpu_noise_chi_square_67m_draws():
-    """8192 x 8192 GPU draws of the eq. 10 kernel against eq. 10 (4 dof) and of the Box-Muller
-    kernel against round(N(0,1)/2) with |R| >= 3 lumped (6 dof): p > 1e-6 each; the eq. 10 draws
-    reject the rounded normal law (p < 1e-12), so the test has power."""
-    seed = torch.tensor([0x1234_5678_9ABC, 17], device="cuda")
-    m = n = 8192
-    r = g.unpack_noise(g._generate_triton(m, n, seed, "gaussws"), n)
-    x = chi2_stat(r, g.NOISE_PROBS)
-    assert chi2_sf(x, 4) > 1e-6, x
-    assert chi2_sf(chi2_stat(r, rounded_normal_probs()), 4) < 1e-12
-    rb = g.unpack_noise(g._generate_triton(m, n, seed, "bm"), n).clamp(-3, 3)
-    phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))
-    probs = {k: phi(2 * k + 1) - phi(2 * k - 1) for k in range(-2, 3)}
-    probs[-3], probs[3] = phi(-5), 1 - phi(5)
-    xb = chi2_stat(rb, probs)
-    assert chi2_sf(xb, 6) > 1e-6, xb
