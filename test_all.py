@@ -226,6 +226,40 @@ def test_sr_is_unbiased_in_its_own_coordinate(coord):
     assert ((codes == lo) | (codes == lo + 1)).all()
 
 
+@pytest.fixture
+def default_dtype():
+    """torch.set_default_dtype for the test to call; the default dtype is restored after it."""
+    old = torch.get_default_dtype()
+    try:
+        yield torch.set_default_dtype
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_sr_uniforms_are_float32_whatever_the_default_dtype(default_dtype):
+    # Uniforms drawn in a bfloat16 default dtype take ~1700 values and bias SR (mean of x = 0.3 on
+    # lin4_nz, between 0.25 and 0.3125: 10.9 standard errors low). Bound: 5 standard errors of the
+    # mean of n two-level draws, gap sqrt(p (1 - p) / n). Each block's first element (1.0) sets s = 1.
+    x = torch.full((1 << 16, 128), 0.3, dtype=torch.float32)
+    x[:, 0] = 1.0
+
+    def sr(dtype):
+        default_dtype(dtype)
+        return A.quantize_blockwise(x, "lin4_nz", 128, "sr", "state",
+                                    generator=torch.Generator().manual_seed(8))
+    packed, s = sr(torch.bfloat16)
+    q = A.dequantize_blockwise(packed, s, "lin4_nz", 128).view(x.shape)[:, 1:].double()
+    a, b, x0 = 0.25, 0.3125, x[0, 1].item()
+    p = (b - x0) / (b - a)
+    se = (b - a) * math.sqrt(p * (1 - p) / q.numel())
+    assert abs(q.mean().item() - x0) <= 5 * se, (q.mean().item() - x0, se)
+    # and the same bits under every default dtype
+    want = sr(torch.float32)
+    for dtype in (torch.bfloat16, torch.float64):
+        got = sr(dtype)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), dtype
+
+
 def test_saturation_outside_codebook_range():
     levels = CODEBOOKS["sdyn4"]
     x = torch.tensor([-5.0, -0.95, 1.0, 3.0])
@@ -444,6 +478,36 @@ def test_first_step_matches_fp32_before_storage():
         assert torch.allclose(outs[preset], outs["fp32"], rtol=0, atol=1e-7)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")   # the interpreter's NaN and Inf arithmetic
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nonfinite_gradient_poisons_its_block_from_the_next_step(impl, bad):
+    """AdamW4bit's documented behaviour: one NaN/Inf gradient element (element 130, block 1 of
+    32) at step 1 makes only that parameter NaN at step 1, as in torch's AdamW; the block's scales
+    become non-finite, so from step 2 on all 128 parameters of block 1 are NaN and the other
+    blocks stay finite, while torch's AdamW keeps only element 130 NaN."""
+    p0 = torch.randn(4096, generator=torch.Generator().manual_seed(16))
+    gen = torch.Generator().manual_seed(17)
+    grads = [torch.randn(4096, generator=gen) * 1e-2 for _ in range(3)]
+    grads[0][130] = bad
+    block1 = (torch.arange(4096) // 128) == 1
+    element = torch.arange(4096) == 130
+    for preset in ("torchao", "zeeden", "zipsr"):
+        ref, ours = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+        o_ref = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        o = A.AdamW4bit([ours], lr=1e-2, preset=preset, impl=impl)
+        for t, g in enumerate(grads, 1):
+            ref.grad, ours.grad = g.clone(), g.clone()
+            o_ref.step()
+            o.step()
+            assert torch.equal(torch.isnan(ref), element) and torch.isfinite(ref[~element]).all()
+            poisoned = element if t == 1 else block1
+            assert torch.equal(torch.isnan(ours), poisoned), (preset, t)
+            assert torch.isfinite(ours[~poisoned]).all(), (preset, t)
+            for k in ("exp_avg_scale", "exp_avg_sq_scale"):
+                assert torch.equal(~torch.isfinite(o.state[ours][k]), torch.arange(32) == 1), (preset, t, k)
+
+
 @pytest.mark.parametrize("preset", ["zipsr", "torchao", "zeeden"])
 def test_state_dict_resume_is_bit_identical(preset):
     def make():
@@ -486,6 +550,26 @@ def test_state_dict_of_another_config_is_refused():
         A.AdamW4bit(m.parameters(), preset="zeeden").load_state_dict(sd)
     with pytest.raises(ValueError, match="not an AdamW4bit"):
         A.AdamW4bit(m.parameters()).load_state_dict(torch.optim.AdamW(m.parameters()).state_dict())
+
+
+def test_reference_step_is_the_same_whatever_the_default_dtype(default_dtype):
+    """torch.set_default_dtype(bfloat16 or float64) changes no bit of a step: the SR uniforms and
+    the kernel's tables (built by the constructor) are float32 whatever the default."""
+    def run(dtype):
+        default_dtype(dtype)
+        gen = torch.Generator().manual_seed(18)
+        p = torch.nn.Parameter(torch.randn(64, 128, dtype=torch.float32, generator=gen))
+        o = A.AdamW4bit([p], lr=1e-2, preset="zipsr", m_rounding="sr", seed=3)
+        for _ in range(2):
+            p.grad = torch.randn(64, 128, dtype=torch.float32, generator=gen)
+            o.step()
+        return p.detach(), o.state[p]
+    want_p, want_st = run(torch.float32)
+    for dtype in (torch.bfloat16, torch.float64):
+        p, st = run(dtype)
+        assert torch.equal(p, want_p), dtype
+        for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale"):
+            assert torch.equal(st[k], want_st[k]), (dtype, k)
 
 
 def test_bf16_params_keep_fp32_scales_after_load():
@@ -1060,6 +1144,38 @@ def test_generate_kernel_equals_reference(method):
             assert torch.equal(a, b), (method, m, n)
 
 
+@triton.jit
+def _diffq_offsets_probe(offs_ptr, mask_ptr, pid, M, N, N8, BLOCK: tl.constexpr):
+    offs, mask = g._diffq_offsets(pid, M, N, N8, BLOCK)
+    i = tl.arange(0, 8 * BLOCK)
+    tl.store(offs_ptr + i, offs)
+    tl.store(mask_ptr + i, mask.to(tl.int8))
+
+
+@pytest.mark.parametrize("m,n", [(200_000_000, 9), (238_609_294, 9), (2 ** 31 - 1, 1), (34_000_000, 63)])
+def test_diffq_store_offsets_past_the_int32_element_index(m, n):
+    """The DiffQ kernel's store offsets (row * n + col, mask) are exact where the element index
+    8 * word passes 2^31 (m * ceil(n/8) > 2^28 with n % 8 != 0, shapes the size guard accepts): the
+    programs around that point and the last one, without allocating the (m, n) output."""
+    block = g.CONFIG["gen_block"]
+    n8 = -(-n // 8)
+    edge = 2 ** 31 // (8 * block)
+    last = -(-m * n8 // block) - 1
+    i = np.arange(8 * block)
+    assert edge < last
+    for pid in sorted({edge - 1, edge, last}):
+        offs = torch.empty(8 * block, dtype=torch.int64)
+        mask = torch.empty(8 * block, dtype=torch.int8)
+        _diffq_offsets_probe[(1,)](offs, mask, pid, m, n, n8, BLOCK=block)
+        q = pid * block + i // 8                      # word index, exact in int64
+        row, col = q // n8, (q % n8) * 8 + i % 8
+        want = (row < m) & (col < n)
+        assert np.array_equal(mask.numpy() == 1, want), pid
+        got = offs.numpy()[want]
+        assert np.array_equal(got, (row * n + col)[want]), pid
+        assert got.min() >= 0 and got.max() < m * n, pid
+
+
 def test_bm_and_diffq_laws():
     r = g.unpack_noise(g.generate_noise((512, 512), 7, method="bm", impl="torch"), 512).clamp(-2, 2)
     assert chi2_sf(chi2_stat(r, rounded_normal_probs()), 4) > 1e-6
@@ -1314,6 +1430,48 @@ def test_activation_checkpointing_reuses_seed(memory):
     assert ck.blocks[0].attn.qkv.noise_state[1].item() == 2 == plain.blocks[0].attn.qkv.noise_state[1].item()
 
 
+def _checkpoint_pattern(model, pattern, checkpointed, reentrant, x):
+    """Loss of one of the checkpoint use patterns on _Model's block 0 and LM head."""
+    run = ((lambda f, t: checkpoint.checkpoint(f, t, use_reentrant=reentrant)) if checkpointed
+           else (lambda f, t: f(t)))
+    b0 = model.blocks[0]
+    if pattern == "twice_in_one_region":
+        return model.lm_head(run(lambda t: b0(b0(t)), x)).square().sum()
+    if pattern == "two_forwards_one_backward":
+        return sum(model.lm_head(run(b0, t)).square().sum() for t in (x, 2 * x))
+    if pattern == "nested":               # a checkpoint inside a checkpoint, each layer once
+        return model.lm_head(run(lambda t: torch.tanh(run(b0, t)), x)).square().sum()
+    return model.lm_head(run(b0, x)).square().sum()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("memory", ["save", "recompute"])
+@pytest.mark.parametrize("pattern", ["twice_in_one_region", "two_forwards_one_backward", "once", "nested"])
+def test_checkpoint_recomputing_another_call_raises(pattern, memory, reentrant):
+    """The recomputation reuses a layer's last seed: a layer called twice in one checkpointed
+    region, or two checkpointed forwards before one backward, either gets the plain run's
+    gradients or raises a RuntimeError naming the layer and what to do; once per region, also
+    nested, must give the plain run's gradients (two steps)."""
+    torch.manual_seed(17)
+    plain, ck = _gpt2_like(), _gpt2_like()
+    ck.load_state_dict(plain.state_dict())
+    g.apply_pqt(plain, seed=4, memory=memory)
+    g.apply_pqt(ck, seed=4, memory=memory)
+    x = torch.randn(2, 7, 32, requires_grad=True)      # reentrant checkpoint needs an input with grad
+    for _ in range(2):
+        for mdl in (plain, ck):
+            mdl.zero_grad()
+        _checkpoint_pattern(plain, pattern, False, reentrant, x).backward()
+        try:
+            _checkpoint_pattern(ck, pattern, True, reentrant, x).backward()
+        except RuntimeError as e:
+            assert pattern not in ("once", "nested"), e
+            assert re.match(r"GaussWSLinear blocks\.0\.(attn|mlp)\.\w+: torch\.utils\.checkpoint ", str(e)), e
+            assert "call each GaussWSLinear once" in str(e)
+            return
+        _assert_same_grads(plain, ck, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # the layer and apply_pqt
 
@@ -1441,6 +1599,27 @@ def test_state_dict_round_trip_resumes_noise():
     resumed = [b(x) for _ in range(2)]
     assert all(torch.equal(p, q) for p, q in zip(cont, resumed))
     assert not torch.equal(cont[0], cont[1])
+
+
+def test_layer_reset_parameters_after_meta_init():
+    """A GaussWSLinear made on the meta device, to_empty, reset_parameters: b_i = 1 and
+    noise_state = [key, 0] as at construction (also after training calls), weight and bias as
+    nn.Linear's init (the same torch seed, the same values)."""
+    torch.manual_seed(18)
+    ref = g.GaussWSLinear(45, 70, seed=9)
+    with torch.device("meta"):
+        layer = g.GaussWSLinear(45, 70, seed=9)
+    layer.to_empty(device="cpu")
+    torch.manual_seed(18)
+    layer.reset_parameters()
+    for name, t in ref.state_dict().items():
+        assert torch.equal(layer.state_dict()[name], t), name
+    layer(torch.randn(3, 45)).sum().backward()
+    with torch.no_grad():
+        layer.b_i.mul_(0.5)
+    layer.reset_parameters()
+    assert torch.equal(layer.noise_state, ref.noise_state) and layer.noise_state[1].item() == 0
+    assert torch.all(layer.b_i == 1)
 
 
 def test_bitwidth_penalty_and_stats():
@@ -2001,6 +2180,57 @@ def test_causal_rope_model():
     assert not torch.allclose(a[0, 10:], b[0, 10:], atol=1e-3)
 
 
+@pytest.mark.parametrize("pqt", [False, True])
+@pytest.mark.parametrize("preset", ["nano", "nano-llama"])
+def test_meta_init_to_empty_load_state_dict_is_exact(preset, pqt):
+    """GPT (and apply_pqt) on the meta device, to_empty, load_state_dict: bit for bit the normally
+    built model (RoPE tables recomputed, the tied LM head tied again): the same logits, loss and
+    gradients in training mode, where PQT draws its noise from the loaded counters."""
+    cfg = preset_config(preset, vocab_size=256)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    if pqt:
+        g.apply_pqt(ref, seed=3)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    ref(x, y)[1].backward()                      # counters past 0: they come from the state dict
+    ref.zero_grad()
+    with torch.device("meta"):
+        meta = GPT(cfg)
+        if pqt:
+            g.apply_pqt(meta, seed=3)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(ref.state_dict())
+    out = []
+    for model in (ref, meta):
+        logits, loss = model(x, y)
+        loss.backward()
+        out.append((logits, loss, {n: p.grad for n, p in model.named_parameters()}))
+    (la, lossa, ga), (lb, lossb, gb) = out
+    assert torch.isfinite(lossa) and torch.equal(lossa, lossb) and torch.equal(la, lb)
+    assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+@pytest.mark.parametrize("preset", ["nano", "nano-llama"])
+def test_reset_parameters_after_meta_init_is_construction(preset):
+    """Without a state dict: meta init, to_empty, reset_parameters() gives GPT(cfg) of the same
+    torch seed, parameters and buffers; init_buffers() alone restores the RoPE tables."""
+    cfg = preset_config(preset, vocab_size=256)
+    torch.manual_seed(1)
+    ref = GPT(cfg)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    model.reset_parameters()
+    for (n, a), (_, b) in zip(itertools.chain(ref.named_parameters(), ref.named_buffers()),
+                              itertools.chain(model.named_parameters(), model.named_buffers())):
+        assert torch.equal(a, b), n
+    for buf in model.buffers():
+        buf.zero_()
+    model.init_buffers()
+    assert all(torch.equal(a, b) for a, b in zip(ref.buffers(), model.buffers()))
+
+
 # ---------------------------------------------------------------------------------------------
 # data.py
 
@@ -2035,7 +2265,7 @@ def test_prepare_folder_with_val_file_and_compression(tmp_path):
 
 
 def test_gpt2_chunked_encoding_matches_whole():
-    tok = datamod.get_tokenizer("gpt2", verbose=False)
+    tok = datamod.get_tokenizer("auto", verbose=False)
     if tok.name != "gpt2":
         pytest.skip("tiktoken gpt2 files not available offline (set TIKTOKEN_CACHE_DIR)")
     text = open(argparse.__file__, encoding="utf-8").read()
@@ -2151,6 +2381,50 @@ def test_binary_or_non_utf8_file_is_refused(tmp_path):
     assert meta["train_tokens"] + meta["val_tokens"] == len(ok) + 2   # U+FFFD is 3 bytes for 1
 
 
+def test_explicit_gpt2_that_cannot_load_is_an_error_auto_falls_back(tmp_path, monkeypatch, capsys):
+    # offline without the tokenizer files: an empty cache, the download fails, nothing loaded yet
+    import tiktoken.load
+    import tiktoken.registry
+
+    def offline(*a, **k):
+        raise ConnectionError("no network")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(tiktoken.load, "read_file", offline)
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+    (tmp_path / "a.txt").write_text("hello world\n" * 200, encoding="utf-8")
+    with pytest.raises(RuntimeError) as e:
+        datamod.prepare(str(tmp_path / "a.txt"), "gpt2", data_dir=str(tmp_path / "d"), verbose=False)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and msg.startswith("--tokenizer gpt2: cannot load")
+    assert "ConnectionError: no network" in msg and "TIKTOKEN_CACHE_DIR" in msg and "--tokenizer byte" in msg
+    with pytest.raises(train.RunError, match="^--tokenizer gpt2: cannot load"):
+        train.main(["--preset", "nano", "--dataset", str(tmp_path / "a.txt"), "--data_dir", str(tmp_path / "d"),
+                    "--tokenizer", "gpt2", "--no-plot", "--out_dir", str(tmp_path / "o")])
+    assert not os.path.exists(tmp_path / "d")
+    capsys.readouterr()
+    assert datamod.get_tokenizer("auto").name == "byte"           # the default may fall back, and says so
+    assert "falling back to the byte tokenizer" in capsys.readouterr().err
+    p = train.build_parser()
+    args = train.resolve_args(p.parse_args(["--preset", "nano"]), p, cuda=True)   # auto = gpt2 on CUDA
+    assert args.tokenizer == "byte" and "falling back" in capsys.readouterr().err
+
+
+def test_preparation_is_announced_before_it_starts(tmp_path, capsys, monkeypatch):
+    (tmp_path / "a.txt").write_text("hello world\n" * 200, encoding="utf-8")
+    printed_before_tokenizing = []
+    tokenize = datamod.tokenize_docs
+
+    def spy(*a, **k):
+        printed_before_tokenizing.append(capsys.readouterr().out)
+        return tokenize(*a, **k)
+    monkeypatch.setattr(datamod, "tokenize_docs", spy)
+    folder = datamod.prepare(str(tmp_path / "a.txt"), "byte", data_dir=str(tmp_path / "d"))
+    assert f"[data] preparing {folder} from {tmp_path / 'a.txt'} (byte tokenizer" in printed_before_tokenizing[0]
+    capsys.readouterr()
+    assert datamod.prepare(str(tmp_path / "a.txt"), "byte", data_dir=str(tmp_path / "d")) == folder
+    assert "preparing" not in capsys.readouterr().out               # a prepared dataset is reused quietly
+
+
 # ---------------------------------------------------------------------------------------------
 # train.py: schedule, flags, runs, resume, checkpoints
 
@@ -2199,6 +2473,17 @@ def test_bad_flags_one_line_error(flags, words, capsys):
 def test_batch_larger_than_data(corpus, tmp_path):
     with pytest.raises(train.RunError, match="--batch_size"):
         train.main(base_args(corpus, tmp_path / "o", "--batch_size", "5000", "--max_iters", "2"))
+
+
+def test_block_size_beyond_the_data_is_an_error_and_compile_is_announced(corpus, tmp_path, capsys, monkeypatch):
+    folder = datamod.prepare(corpus[0], "byte", data_dir=corpus[1], verbose=False)
+    longest = datamod.load_meta(folder)["val_tokens"] - 1          # one window of the val split
+    with pytest.raises(train.RunError, match=f"^--block_size 100000: .* use --block_size <= {longest} or more data$"):
+        train.main(base_args(corpus, tmp_path / "o", "--block_size", "100000", "--max_iters", "2"))
+    capsys.readouterr()
+    monkeypatch.setattr(torch, "compile", lambda model, **k: model)  # the announcement, not the compile
+    train.main(base_args(corpus, tmp_path / "c", "--compile", "--max_iters", "1"))
+    assert "compiling the model (torch.compile, mode default): the first step takes ~1 min" in capsys.readouterr().out
 
 
 def _tensors_equal(a, b):
@@ -2586,6 +2871,249 @@ def test_v_flags_are_in_the_run_config_for_resume(corpus, tmp_path, capsys):
     assert (cfg["v_rounding"], cfg["v_codebook"]) == ("state-rtn", None)
     with pytest.raises(train.RunError, match=r"--v_rounding 'state-rtn' \(checkpoint\) vs 'state-sr' \(now\)"):
         train.main([x if x != "state-rtn" else "state-sr" for x in a] + ["--resume"])
+
+
+def test_cpu_threads_chosen_and_an_explicit_choice_kept(corpus, tmp_path, monkeypatch, capsys):
+    p, proc = train.build_parser(), train.Process(ddp=False, rank=0, world=1, device="cpu")
+
+    def threads_after_setup(*flags, torch_default=4, caller=None):
+        monkeypatch.setattr(train, "TORCH_THREADS", torch_default)   # as if imported on a 4-core machine
+        torch.set_num_threads(caller or torch_default)
+        train.setup_threads(p.parse_args(["--preset", "nano", *flags]), proc)
+        return torch.get_num_threads(), capsys.readouterr().out
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    try:
+        n, out = threads_after_setup()
+        assert n == 3 and out.startswith("CPU threads: 3 (4 cores less one") and "--threads N" in out
+        assert threads_after_setup("--threads", "2")[0] == 2
+        assert threads_after_setup(caller=2)[0] == 2                   # torch.set_num_threads before main
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        n, out = threads_after_setup(torch_default=2)
+        assert n == 2 and "(OMP_NUM_THREADS)" in out
+    finally:
+        torch.set_num_threads(1)
+    train.main(base_args(corpus, tmp_path / "o", "--threads", "1", "--max_iters", "1"))
+    assert "CPU threads: 1 (--threads)" in capsys.readouterr().out
+
+
+def test_startup_line_says_which_tensors_get_4bit_states(corpus, tmp_path, capsys):
+    train.main(base_args(corpus, tmp_path / "o", "--optim", "zipsr", "--max_iters", "1"))
+    # nano: wte 256x32 and the MLP's up/down 128x32 (x2 layers) are >= 4096 and a multiple of 128;
+    # qkv 96x32, out 32x32, wpe 64x32 and the norms stay FP32, the largest named first
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("4-bit states")] == [
+        "4-bit states: 5 tensors (24.6k params); FP32 states: 10 tensors (10.4k params: blocks.0.attn.qkv.weight, "
+        "blocks.1.attn.qkv.weight, wpe.weight, blocks.0.attn.out.weight, +6 more)"]
+    m = nn.Linear(64, 66, bias=False)    # 4224 elements: >= 4096 but not a multiple of a 1024 block
+    assert train.quantized_summary(m, A.AdamW4bit(m.parameters(), preset="zipsr", block_size=1024)) == (
+        "4-bit states: 0 tensors (0 params); FP32 states: 1 tensors (4.2k params: weight)")
+
+
+class _Killed(BaseException):
+    """A kill at a chosen point: not an Exception, so nothing on the way catches it."""
+
+
+def test_resume_rewrites_the_log_atomically(corpus, tmp_path, monkeypatch):
+    # --resume rewrites log.jsonl (the records up to its checkpoint); a kill during the rewrite
+    # (here: while the third record is written) leaves the old log whole
+    out = tmp_path / "o"
+    args = base_args(corpus, out, "--max_iters", "8", "--eval_interval", "4")
+    train.main(args + ["--stop_after", "4"])
+    before = (out / "log.jsonl").read_bytes()
+    dumps = json.dumps
+
+    def killed_at_step_2(obj, *a, **k):
+        if isinstance(obj, dict) and obj.get("type") == "step" and obj.get("iter") == 2:
+            raise _Killed
+        return dumps(obj, *a, **k)
+
+    monkeypatch.setattr(json, "dumps", killed_at_step_2)
+    with pytest.raises(_Killed):
+        train.main(args + ["--resume"])
+    monkeypatch.undo()
+    assert (out / "log.jsonl").read_bytes() == before
+    assert not (out / "log.jsonl.tmp").exists()
+    train.main(args + ["--resume"])
+    assert [r["iter"] for r in read_log(out) if r["type"] == "step"] == list(range(8))
+
+
+def test_torn_last_log_line_is_skipped_and_a_bad_middle_line_is_named(corpus, tmp_path, capsys):
+    out = tmp_path / "o"
+    args = base_args(corpus, out, "--max_iters", "8", "--eval_interval", "4")
+    train.main(args + ["--stop_after", "4"])
+    good = (out / "log.jsonl").read_text()
+    (out / "log.jsonl").write_text(good + '{"type": "step", "iter": 4, "lo')   # a kill mid-append
+    capsys.readouterr()
+    train.main(args + ["--resume"])
+    printed = [x for x in capsys.readouterr().out.splitlines() if "cut off" in x]
+    assert printed == [f"{out / 'log.jsonl'}: skipped its last line {len(good.splitlines()) + 1}, cut off "
+                       f"mid-write (Unterminated string starting at)"]
+    assert [r["iter"] for r in read_log(out) if r["type"] == "step"] == list(range(8))
+    lines = (out / "log.jsonl").read_text().splitlines()
+    lines[2] = lines[2][:10]                                  # not the last line: an error
+    (out / "log.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(train.RunError, match=r"log\.jsonl line 3 is not a JSON record \(.*\); fix or delete"):
+        train.main(args + ["--resume"])
+
+
+def test_unwritable_out_dir_and_full_disk_are_one_line_errors(corpus, tmp_path, monkeypatch):
+    import errno
+
+    def boom(*a, **k):
+        raise AssertionError("data prepared before --out_dir was checked")
+
+    (tmp_path / "a_file").write_text("x")
+    bad = [(tmp_path / "a_file", "File exists"), (tmp_path / "a_file" / "o", "Not a directory")]
+    if os.geteuid() != 0:   # root writes into read-only folders
+        (tmp_path / "ro").mkdir(mode=0o555)
+        bad.append((tmp_path / "ro", "Permission denied"))
+    with monkeypatch.context() as m:
+        m.setattr(datamod, "prepare", boom)
+        for out, reason in bad:
+            with pytest.raises(train.RunError) as e:
+                train.main(base_args(corpus, out, "--max_iters", "2"))
+            assert str(e.value) == f"--out_dir {out}: cannot write there ({reason})"
+    # a full disk at the second checkpoint: the temp file goes, the first checkpoint stays
+    out, save, calls = tmp_path / "full", torch.save, []
+
+    def full_disk(obj, f):
+        calls.append(1)
+        if len(calls) == 1:
+            return save(obj, f)
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(train.RunError) as e:
+        train.main(base_args(corpus, out, "--max_iters", "4", "--eval_interval", "2"))
+    assert str(e.value) == (f"--out_dir {out}: cannot write the checkpoint for step 4 (No space left on device); "
+                            f"{out / 'ckpt.pt'} (step 2) is left intact")
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]
+    monkeypatch.undo()
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 2
+
+
+def _run_until_first_step(argv, out, launch=(sys.executable,)):
+    """Start `launch train.py argv` and return the Popen once log.jsonl holds a step record."""
+    import time
+    p = subprocess.Popen([*launch, train.__file__, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 300
+    log = os.path.join(out, "log.jsonl")
+    while not (os.path.exists(log) and '"type": "step"' in open(log).read()):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.01)
+    return p
+
+
+@pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_interrupt_saves_a_checkpoint_and_resume_is_bit_identical(corpus, tmp_path, signame, code):
+    import shlex
+    import signal
+    args = base_args(corpus, tmp_path / "a", "--max_iters", "40", "--eval_interval", "20")
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    train.main(args)                                                   # the uninterrupted run
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+    out = tmp_path / "b"
+    args_b = [a if a != str(tmp_path / "a") else str(out) for a in args]
+    p = _run_until_first_step(args_b, out)
+    p.send_signal(getattr(signal, signame))
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == code and "Traceback" not in stderr, stderr
+    stopped = torch.load(out / "ckpt.pt", weights_only=True)["iter_num"]
+    assert 1 <= stopped < 40
+    assert [r["iter"] for r in read_log(out) if r["type"] == "step"] == list(range(stopped))
+    cmd = f"python train.py {shlex.join(args_b)} --resume"
+    assert f"{signame}: stopped at step {stopped} with a checkpoint in {out / 'ckpt.pt'}; continue with: {cmd}" \
+        in stdout.splitlines()
+    train.main(shlex.split(cmd)[2:])
+    ca = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
+    cb = torch.load(out / "ckpt.pt", weights_only=True)
+    assert ca["iter_num"] == cb["iter_num"] == 40
+    assert _tensors_equal(ca["model"], cb["model"]) and _tensors_equal(ca["optimizer"], cb["optimizer"])
+    steps = lambda d: [(r["iter"], r["loss"]) for r in read_log(d) if r["type"] == "step"]  # noqa: E731
+    assert steps(tmp_path / "a") == steps(out) and len(steps(out)) == 40
+
+
+def test_ddp_interrupt_of_one_rank_stops_every_rank_at_one_step(corpus, tmp_path):
+    # SIGTERM to rank 1 only: rank 0 (no signal) stops at the same step and writes the checkpoint
+    import contextlib
+    import signal
+    out = tmp_path / "o"
+    args = base_args(corpus, out, "--max_iters", "400", "--eval_interval", "200", "--grad_accum", "2")
+    p = _run_until_first_step(args, out, (sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                          "--nproc_per_node", "2"))
+    ranks = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+            if env.get(b"TORCHELASTIC_RUN_ID") and str(out).encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                ranks.append((int(env.get(b"RANK", b"-1")), int(pid)))
+    rank1 = [pid for r, pid in ranks if r == 1]
+    assert len(rank1) == 1, ranks
+    os.kill(rank1[0], signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=300)
+    stopped = torch.load(out / "ckpt.pt", weights_only=True)["iter_num"]
+    assert 1 <= stopped < 400
+    assert [r["iter"] for r in read_log(out) if r["type"] == "step"] == list(range(stopped))
+    assert (f"SIGTERM: stopped at step {stopped} with a checkpoint in {out / 'ckpt.pt'}; continue with: "
+            f"torchrun --standalone --nproc_per_node 2 train.py ") in stdout, (stdout, stderr)
+
+
+def test_fresh_run_into_a_checkpoint_needs_resume_or_overwrite(corpus, tmp_path, capsys):
+    out = tmp_path / "o"
+    args = base_args(corpus, out, "--max_iters", "2", "--eval_interval", "2")
+    train.main(args)
+    before = (out / "ckpt.pt").read_bytes(), (out / "log.jsonl").read_bytes()
+    with pytest.raises(train.RunError) as e:
+        train.main(args + ["--seed", "1"])
+    assert str(e.value) == (f"--out_dir {out} holds a checkpoint ({out / 'ckpt.pt'}): continue that run with "
+                            f"--resume, or start over with --overwrite (replaces its ckpt.pt and log.jsonl)")
+    assert ((out / "ckpt.pt").read_bytes(), (out / "log.jsonl").read_bytes()) == before
+    train.main(args + ["--seed", "1", "--overwrite"])
+    assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["seed"] == 1
+    assert [r["type"] for r in read_log(out)].count("summary") == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.main(args + ["--overwrite", "--resume"])
+    assert "--overwrite and --resume: give one of them" in capsys.readouterr().err
+
+
+def test_wsd_schedule_recomputed_for_a_longer_run():
+    # the continuity facts the --max_iters help and the module docstring state (T = 100 -> N)
+    f = lambda it, n: train.get_lr(it, n, 1.0, "wsd")  # noqa: E731
+    assert all(f(it, 100) == f(it, 200) == 1.0 for it in range(20, 90))   # stopped on both plateaus: no jump
+    assert f(99, 100) == pytest.approx(1 - math.sqrt(1 - 1 / 10)) and f(100, 100) == 0.0   # finished, cooled down
+    assert f(100, 200) == 1.0 and all(f(it, 200) == 1.0 for it in range(100, 181))      # back to the plateau
+    assert all(f(it, 200) > f(it + 1, 200) for it in range(180, 200)) and f(200, 200) == 0.0   # new cooldown
+    assert f(100, 112) == 1.0 and f(100, 110) < 1.0      # T on the new plateau iff T < N - round(0.1 N)
+    assert f(100, 105) == pytest.approx(1 - math.sqrt(0.5))    # else the new cooldown's lr (D = 10, u = 5/10)
+    assert f(100, 1004) == 1.0                                 # ... and the new warmup round(0.1 N) <= T
+    assert f(100, 2000) == pytest.approx(101 / 200)            # else the new warmup's lr
+
+
+def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
+    out = tmp_path / "o"
+    args = base_args(corpus, out, "--eval_interval", "10")
+    train.main(args + ["--max_iters", "20"])
+    capsys.readouterr()
+    train.main(args + ["--max_iters", "20", "--resume"])
+    assert "Raise --max_iters to train longer" in capsys.readouterr().out
+    s = train.main(args + ["--max_iters", "30", "--resume"])
+    log = read_log(out)
+    steps = [r for r in log if r["type"] == "step"]
+    assert [r["iter"] for r in steps] == list(range(30))
+    lr = train.DEFAULT_LR["nano"]
+    assert [r["lr"] for r in steps[20:]] == [train.get_lr(it, 30, lr) for it in range(20, 30)]
+    assert steps[19]["lr"] < lr and steps[20]["lr"] == lr    # from the cooled-down lr back to the plateau
+    assert [r["iter"] for r in log if r["type"] == "eval"] == [0, 10, 20, 30]
+    assert s["iters"] == s["max_iters"] == 30 and [r["type"] for r in log].count("summary") == 1
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 30
+    # --tokens_per_param may change as well; other flags still may not
+    train.main(args + ["--tokens_per_param", "0.25", "--resume"])     # 0.25 x 34,976 params / 256 tokens: 35 steps
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 35
+    with pytest.raises(train.RunError, match="--seed 0 \\(checkpoint\\) vs 1"):
+        train.main(args + ["--max_iters", "400", "--seed", "1", "--resume"])
 
 
 # =============================================================================================

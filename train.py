@@ -7,12 +7,27 @@ Train a GPT with optional pseudo-quantization training (GaussWS / DiffQ, paper A
     python train.py --preset nano --max_iters 30 --device cpu   # a smoke run in seconds
     python train.py --stop_after 100                    # stop with a checkpoint, then
     python train.py --resume                            # go on from OUT_DIR/ckpt.pt
+    python train.py --resume --max_iters 600            # train a finished 300-step run longer
     torchrun --standalone --nproc_per_node 2 train.py --preset gpt2-124m   # several GPUs (DDP)
 
 Defaults marked 'auto' depend on the device: on CPU a tiny byte-level model for a few hundred
 steps (minutes), on CUDA GPT-2 124M with the GPT-2 tokenizer, BF16 autocast and torch.compile.
 Everything is written to --out_dir: ckpt.pt (atomic), log.jsonl (one JSON object per step and per
-eval, plus a summary), loss.png (when matplotlib is installed).
+eval, plus a summary), loss.png (when matplotlib is installed). A fresh run refuses an --out_dir
+that holds a checkpoint: continue it with --resume, or start over with --overwrite. Ctrl-C (SIGINT)
+or SIGTERM stops at the next step boundary with a checkpoint and prints the command that
+continues the run (exit status 130 / 143).
+
+Training longer: --resume with a larger --max_iters (or --tokens_per_param) goes on from the
+checkpoint under the schedule recomputed for the new length N; every other flag must match. Warmup
+and cooldown are shares of N, so WSD's cooldown moves to the last round(cooldown_frac * N) steps.
+A run stopped on the plateau (--stop_after) goes on at the peak lr without a jump. A finished WSD
+run of T steps has cooled down (its last step used lr * (1 - sqrt(1 - 1/D)), D its cooldown
+length); resumed with N it goes back up at step T from that lr to the plateau lr, stays there and
+cools down again over the new last steps; this holds when T lies on the new plateau
+(round(warmup_frac * N) <= T < N - round(cooldown_frac * N), with the default shares
+about T / 0.9 < N <= 10 T); otherwise step T takes the new cooldown's (or warmup's) lr. Cosine is
+recomputed likewise, and the 4-bit optimizers' LM-head switch to SR moves to 90 % of N.
 """
 
 import argparse
@@ -20,7 +35,11 @@ import contextlib
 import json
 import math
 import os
+import shlex
+import signal
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -47,10 +66,14 @@ DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "mi
               "tiny-llama": 2e-3, "gpt2-124m": 6e-4, "gpt-162m": 1e-3, "gpt-405m": 6e-4,
               "gpt-834m": 6e-4, "llama-130m": 2e-3, "llama-134m": 2e-3, "llama-1b": 3e-4,
               "llama-3b": 1.5e-4, "llama-70b-4l": 1e-4}
-# Run settings that may differ between a checkpoint and the run resuming it (they do not change
-# what is trained); every other setting must match.
+# Run settings that may differ between a checkpoint and the run resuming it: they do not change
+# what is trained, or (max_iters, tokens_per_param) they extend the run under a recomputed
+# schedule; every other setting must match.
 RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "compile_mode", "eval_interval", "eval_windows", "device",
-               "data_dir", "plot"}
+               "data_dir", "plot", "overwrite", "max_iters", "tokens_per_param", "threads"}
+
+
+TORCH_THREADS = torch.get_num_threads()  # PyTorch's own choice at import: OMP_NUM_THREADS or the physical cores
 
 
 class RunError(Exception):
@@ -58,9 +81,9 @@ class RunError(Exception):
 
 
 def say(*a):
-    """print on rank 0 only (torchrun sets RANK)."""
+    """print on rank 0 only (torchrun sets RANK); flushed, so a piped log shows it at once."""
     if int(os.environ.get("RANK", 0)) == 0:
-        print(*a)
+        print(*a, flush=True)
 
 
 # ----------------------------------------------------------------------------- flags
@@ -85,7 +108,8 @@ def build_parser():
                         "| a prepared data folder (meta.json). Validation split: a folder's files named val*, "
                         "otherwise the last 10%% of the tokens")
     g.add_argument("--tokenizer", default="auto", choices=("auto", "gpt2", "byte"),
-                   help="auto: gpt2 on CUDA, byte on CPU (a 50k-vocab LM head and softmax dominate a CPU step)")
+                   help="auto: gpt2 on CUDA (byte, with a message, when tiktoken cannot load its files), byte on "
+                        "CPU (a 50k-vocab LM head and softmax dominate a CPU step); gpt2 given explicitly never falls back")
     g.add_argument("--data_dir", default=datamod.DATA_DIR, help="where prepared datasets live")
     g.add_argument("--max_tokens", type=int, default=None,
                    help="cap on training tokens when preparing a dataset (prepared as data/<name>-max<N>)")
@@ -122,7 +146,11 @@ def build_parser():
     g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch per GPU")
     g.add_argument("--grad_accum", type=int, default=1,
                    help="micro-batches per step summed over all GPUs (must divide by the GPU count)")
-    g.add_argument("--max_iters", type=int, default=None, help="optimizer steps; auto: 300 on CPU, 5000 on CUDA")
+    g.add_argument("--max_iters", type=int, default=None,
+                   help="optimizer steps; auto: 300 on CPU, 5000 on CUDA. With --resume a larger value trains "
+                        "longer under the schedule recomputed for it: WSD's cooldown moves to the new end, so "
+                        "a finished WSD run goes back up from its cooled-down lr to the plateau lr and cools "
+                        "down again (see the module docstring)")
     g.add_argument("--tokens_per_param", type=float, default=None,
                    help="set max_iters so that tokens = this x parameters (papers: 20); excludes --max_iters")
     g.add_argument("--stop_after", type=int, default=None,
@@ -141,10 +169,18 @@ def build_parser():
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="autocast dtype; auto: bfloat16 on CUDA (FP32 master weights), float32 on CPU")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU runs: PyTorch's intra-op threads; default: OMP_NUM_THREADS when set, else the cores "
+                        "less one (at least 1), so that a busy core does not stall every op")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out_dir", default="out", help="checkpoint, log.jsonl and loss.png go here")
+    g.add_argument("--out_dir", default="out",
+                   help="checkpoint, log.jsonl and loss.png go here; Ctrl-C or SIGTERM saves a checkpoint "
+                        "at the next step boundary")
     g.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="continue from OUT_DIR/ckpt.pt, or from the given checkpoint file")
+                   help="continue from OUT_DIR/ckpt.pt, or from the given checkpoint file; --max_iters / "
+                        "--tokens_per_param / --stop_after may change, every other flag must match")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run in an --out_dir that holds a checkpoint, replacing it and log.jsonl")
     g.add_argument("--plot", default=True, action=argparse.BooleanOptionalAction,
                    help="write loss.png at the end (needs matplotlib)")
     return p
@@ -183,8 +219,8 @@ def resolve_args(args, parser, cuda):
     'auto' stays None here: it is capped to the validation split once the data is known."""
     if args.preset == "auto":
         args.preset = "gpt2-124m" if cuda else "tiny"
-    if args.tokenizer == "auto":
-        args.tokenizer = "gpt2" if cuda else "byte"
+    if args.tokenizer == "auto" and not cuda:
+        args.tokenizer = "byte"
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cuda else "float32"
     if args.compile is None:
@@ -200,7 +236,8 @@ def resolve_args(args, parser, cuda):
                      f"give one of them (tokens_per_param sets max_iters from the parameter count)")
     if args.tokens_per_param is None and args.max_iters is None:
         args.max_iters = 5000 if cuda else 300
-    for name in ("batch_size", "grad_accum", "block_size", "eval_interval", "max_iters", "stop_after", "max_tokens"):
+    for name in ("batch_size", "grad_accum", "block_size", "eval_interval", "max_iters", "stop_after", "max_tokens",
+                 "threads"):
         check_range(parser, name, getattr(args, name), lo=1)
     for name in ("eval_windows", "seed"):
         check_range(parser, name, getattr(args, name), lo=0)
@@ -214,6 +251,8 @@ def resolve_args(args, parser, cuda):
         check_range(parser, name, getattr(args, name), lo=0, hi=1, hi_in=False)
     for name in ("warmup_frac", "cooldown_frac", "min_lr_frac"):
         check_range(parser, name, getattr(args, name), lo=0, hi=1)
+    if args.overwrite and args.resume:
+        parser.error("--overwrite and --resume: give one of them (--overwrite starts over, --resume continues)")
     if args.warmup_frac + args.cooldown_frac > 1:
         parser.error(f"--warmup_frac {args.warmup_frac:g} + --cooldown_frac {args.cooldown_frac:g} > 1: "
                      f"warmup and cooldown must fit in the run")
@@ -232,6 +271,8 @@ def resolve_args(args, parser, cuda):
         datamod.check_dataset_arg(args.dataset)
     except ValueError as e:
         parser.error(str(e))
+    if args.tokenizer == "auto":  # gpt2 on CUDA when tiktoken can load it, else bytes (with a message)
+        args.tokenizer = datamod.get_tokenizer("auto", verbose=int(os.environ.get("RANK", 0)) == 0).name
     return args
 
 
@@ -279,6 +320,28 @@ class Process:
         return self.rank == 0
 
 
+def setup_threads(args, proc):
+    """Set PyTorch's intra-op CPU threads for a CPU run and say how many: --threads; else a count
+    the user chose (OMP_NUM_THREADS, or torch.set_num_threads before main) is kept; else the cores
+    less one, at least 1. Leaving a core free matters under load: OpenMP threads wait for each
+    other at the end of every op, so one thread descheduled by another process stalls them all
+    (2 cores, busy: 11 min with 2 threads, 2 min with 1)."""
+    if proc.device_type != "cpu":
+        return
+    n = torch.get_num_threads()
+    if args.threads is not None:
+        n, why = args.threads, "--threads"
+    elif os.environ.get("OMP_NUM_THREADS"):
+        why = "OMP_NUM_THREADS"
+    elif n != TORCH_THREADS:
+        why = "set before train.py ran"
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n, why = max(1, min(cores, TORCH_THREADS) - 1), f"{cores} cores less one, so a busy core does not stall each op"
+    torch.set_num_threads(n)
+    say(f"CPU threads: {n} ({why}); change with --threads N or OMP_NUM_THREADS=N")
+
+
 def setup_distributed(args):
     """Process for this run. Under torchrun (RANK set) joins the process group: NCCL on CUDA,
     gloo on CPU."""
@@ -315,7 +378,7 @@ def setup_data(args, proc):
     n_train, n_val = batches.n["train"], batches.n["val"]
     if n_train < args.block_size + 1 or n_val < args.block_size + 1:
         raise RunError(f"--block_size {args.block_size}: {folder} has only {n_train} train / "
-                       f"{n_val} val tokens; use a shorter --block_size or more data")
+                       f"{n_val} val tokens; use --block_size <= {min(n_train, n_val) - 1} or more data")
     if args.batch_size * args.block_size > n_train:
         raise RunError(f"--batch_size {args.batch_size} x --block_size {args.block_size} = "
                        f"{args.batch_size * args.block_size} tokens per micro-batch is more than the "
@@ -385,6 +448,24 @@ def say_optimizer(args, model):
         f"{args.max_iters * n / max(model.num_params(), 1):.2f} tokens/param")
 
 
+def _count(n):
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
+
+
+def quantized_summary(model, optimizer, show=4):
+    """One line saying which parameters get 4-bit AdamW states (optimizer.is_quantized) and which
+    stay FP32 (fewer than 4096 elements, or not a multiple of the quantization block), naming the
+    `show` largest FP32 ones."""
+    q, f = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (q if optimizer.is_quantized(p) else f).append((p.numel(), name))
+    f.sort(key=lambda x: -x[0])
+    names = ", ".join(n for _, n in f[:show]) + (f", +{len(f) - show} more" if len(f) > show else "")
+    return (f"4-bit states: {len(q)} tensors ({_count(sum(n for n, _ in q))} params); FP32 states: {len(f)} "
+            f"tensors ({_count(sum(n for n, _ in f))} params" + (f": {names})" if f else ")"))
+
+
 def param_groups(model, weight_decay, bits_wd):
     """AdamW groups: matrices/embeddings with weight decay, vectors (norms, biases) without, and the
     PQT bitwidth parameters b_i in their own group with weight decay bits_wd (paper A eqs. 11-12:
@@ -450,14 +531,32 @@ def check_resume_config(saved, current, path):
                        f"Use the same flags, or a new --out_dir to start over.")
 
 
+def check_out_dir(args, proc):
+    """RunError (one line) before any data or model: a fresh run would replace the checkpoint in
+    --out_dir (without --overwrite), or --out_dir cannot be created or written (with the reason)."""
+    ckpt = os.path.join(args.out_dir, "ckpt.pt")
+    if not args.resume and not args.overwrite and os.path.exists(ckpt):
+        raise RunError(f"--out_dir {args.out_dir} holds a checkpoint ({ckpt}): continue that run with --resume, "
+                       f"or start over with --overwrite (replaces its ckpt.pt and log.jsonl)")
+    if not proc.master:
+        return
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=args.out_dir) as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise RunError(f"--out_dir {args.out_dir}: cannot write there ({e.strerror or e})") from None
+
+
 def resume_path(args):
     return os.path.join(args.out_dir, "ckpt.pt") if args.resume == "auto" else args.resume
 
 
 def resume_is_done(args, ckpt):
-    """True (with a message) when the checkpoint is already at the step this run would stop at.
-    RunError when it was written with other flags (checked once --max_iters is known: it is part
-    of the configuration)."""
+    """True (with a message) when the checkpoint is already at the step this run would stop at
+    (checked once --max_iters is known). RunError when it was written with other flags."""
     check_resume_config(ckpt["config"], run_config(args), resume_path(args))
     if ckpt["iter_num"] < end_iter(args):
         return False
@@ -465,7 +564,8 @@ def resume_is_done(args, ckpt):
     say(f"--resume: {resume_path(args)} is at step {ckpt['iter_num']} of {args.max_iters}, "
         + ("the run is finished" if finished else f"already at --stop_after {args.stop_after}")
         + f"; nothing to do ({os.path.join(args.out_dir, 'log.jsonl')} is left as it is). "
-        + ("Use a new --out_dir to train again." if finished else "Raise or drop --stop_after to go on."))
+        + ("Raise --max_iters to train longer, or use --overwrite or a new --out_dir to start over."
+           if finished else "Raise or drop --stop_after to go on."))
     return True
 
 
@@ -515,12 +615,66 @@ def get_lr(it, max_iters, lr, schedule="wsd", warmup_frac=0.1, cooldown_frac=0.1
 
 # ----------------------------------------------------------------------------- training loop
 
-def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf):
+class Interrupts:
+    """SIGINT / SIGTERM during training: the handler only records the signal, and the loop asks
+    requested() at each step boundary, so the checkpoint is taken between steps. Under DDP the
+    flag is all-reduced (MAX, over gloo on the CPU: no device sync) so that every rank stops at the
+    same step. Further signals change nothing (torchrun passes a Ctrl-C on to its workers, which
+    already got it; kill -9 stops at once). restore() puts the previous handlers back. Handlers can
+    only be set from the main thread; elsewhere nothing is caught."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, proc):
+        self.proc, self.signum, self.old = proc, 0, {}
+        self.group = None
+        if proc.ddp and dist.get_backend() != "gloo":  # every rank creates it, in the same order
+            self.group = dist.new_group(backend="gloo")
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self.old[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = self.signum or signum
+
+    def requested(self):
+        """The signal number if any rank received one (0: none); a collective call under DDP."""
+        if not self.proc.ddp:
+            return self.signum
+        flag = torch.tensor([self.signum])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag)
+
+    def restore(self):
+        for s, handler in self.old.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        self.old = {}
+
+
+def resume_command(argv, proc):
+    """The command line that continues this run: argv without --resume [PATH] / --overwrite, plus
+    --resume (under torchrun, the torchrun launch)."""
+    kept, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("-")  # its PATH
+        elif not (a.startswith("--resume=") or a == "--overwrite"):
+            kept.append(a)
+    launch = (f"torchrun --standalone --nproc_per_node {proc.world} train.py" if proc.ddp else "python train.py")
+    return " ".join([launch, shlex.join(kept), "--resume"] if kept else [launch, "--resume"])
+
+
+def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf, argv=()):
     """Train `model` from step start_iter to the --max_iters schedule's end (or --stop_after),
     with an eval and a checkpoint every --eval_interval steps and at the end. Returns the summary
-    (also the last record of log.jsonl)."""
+    (also the last record of log.jsonl). On SIGINT / SIGTERM: a checkpoint at the next step
+    boundary, a line with the command that continues (argv: this run's flags), and
+    SystemExit(128 + signal number), i.e. exit status 130 / 143."""
     raw_model = model  # for eval, clipping, the penalty and the checkpoint
     if args.compile:
+        say(f"compiling the model (torch.compile, mode {args.compile_mode}): the first step takes ~1 min")
         model = torch.compile(model, mode=args.compile_mode)
     graphs = args.compile and "reduce-overhead" in args.compile_mode
     if proc.ddp:  # buffers (GaussWS seed state) advance identically on every rank: no broadcast needed
@@ -534,6 +688,7 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
     accum = args.grad_accum // proc.world  # micro-batches per step on this rank
     stop = end_iter(args)
     log = RunLog(args, proc, start_iter, best_val)
+    interrupts = Interrupts(proc)
     it = start_iter
     try:
         while True:
@@ -550,6 +705,19 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
                 log.t_ref = time.time()  # eval and checkpoint time is not step time
             if at_end:
                 break
+            signum = interrupts.requested()
+            if signum:  # Ctrl-C / SIGTERM since the last step: every rank stops here, with a checkpoint
+                log.flush()
+                if log.last_ckpt != it:
+                    log.checkpoint(it, raw_model, optimizer)
+                if proc.ddp:  # no rank exits before rank 0 has written the checkpoint
+                    dist.barrier(group=interrupts.group)
+                log.bar.close()
+                if log.file:
+                    log.file.close()
+                say(f"{signal.Signals(signum).name}: stopped at step {it} with a checkpoint in {log.ckpt_path}; "
+                    f"continue with: {resume_command(argv, proc)}")
+                raise SystemExit(128 + signum)
             # one optimizer step
             lr = get_lr(it, args.max_iters, args.lr, args.schedule, args.warmup_frac,
                         args.cooldown_frac, args.min_lr_frac)
@@ -585,6 +753,7 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
             it += 1
             log.bar.update(1)
     finally:
+        interrupts.restore()
         log.bar.close()
     bt = mean_bt(bits, args.b_init, args.b_target)
     return log.finish(it, raw_model, optimizer, bt.item() if bt is not None else None)
@@ -611,12 +780,16 @@ def evaluate(model, batches, n_windows, batch_size, ctx, device, rank=0, world=1
     was_training = model.training
     model.eval()
     tot = torch.zeros(2, dtype=torch.float64, device=device)
+    bar = tqdm(total=len(batches.val_starts(n_windows)[rank::world]), desc="eval", unit="window", leave=False,
+               delay=2, disable=rank != 0)  # shown only when an eval takes more than 2 s
     for x, y in batches.val_batches(n_windows, batch_size, rank, world):
         x, y = x.to(device), y.to(device)
         with ctx:
             _, loss = model(x, y)
         tot[0] += loss.double() * y.numel()
         tot[1] += y.numel()
+        bar.update(len(x))
+    bar.close()
     if ddp:
         dist.all_reduce(tot)
     model.train(was_training)
@@ -661,9 +834,11 @@ class RunLog:
             if args.resume:
                 kept = [r for r in read_log(self.path) if (r.get("type") == "step" and r["iter"] < start_iter)
                         or (r.get("type") == "eval" and r["iter"] <= start_iter)]
-            self.file = open(self.path, "w")
-            for r in kept:
-                self.file.write(json.dumps(r) + "\n")
+                # a kill during the rewrite leaves the old log whole
+                atomic_write(self.path, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept), "w")
+            elif os.path.exists(self.ckpt_path):  # --overwrite: the old checkpoint must not resume the new log
+                os.remove(self.ckpt_path)
+            self.file = open(self.path, "a" if args.resume else "w")
         self.bar = tqdm(total=args.max_iters, initial=start_iter, disable=not proc.master, dynamic_ncols=True,
                         mininterval=0.5, desc="train")
         old = [r["val_loss"] for r in kept if r.get("type") == "eval"]  # a resumed run's earlier evals
@@ -741,19 +916,26 @@ class RunLog:
             self.bar.write(f"step {it}: val loss {val:.4f}, train loss {tl}")
 
     def checkpoint(self, it, model, optimizer):
-        """ckpt.pt for step `it` (next step to run), written atomically by rank 0."""
+        """ckpt.pt for step `it` (next step to run), written atomically by rank 0. RunError (one
+        line, the reason) when it cannot be written (disk full, ...); the previous one is kept."""
+        if self.proc.master:
+            try:
+                save_checkpoint(self.ckpt_path, {
+                    "format": CKPT_FORMAT, "iter_num": it, "best_val_loss": self.best_val,
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "config": run_config(self.args), "model_config": asdict(model.config),
+                    # the training data order is a pure function of (seed, rank, step, micro-step)
+                    "data_rng": {"scheme": "numpy default_rng([seed, step, global micro-batch])",
+                                 "seed": self.args.seed, "next_step": it},
+                    "rng": {"torch": torch.get_rng_state(),
+                            "cuda": torch.cuda.get_rng_state() if self.proc.device_type == "cuda" else None}})
+            except (OSError, RuntimeError) as e:  # torch.save reports some write errors as RuntimeError
+                reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
+                kept = (f"{self.ckpt_path} (step {self.last_ckpt}) is left intact" if self.last_ckpt is not None
+                        else "no checkpoint was written")
+                raise RunError(f"--out_dir {self.args.out_dir}: cannot write the checkpoint for step {it} "
+                               f"({reason}); {kept}") from None
         self.last_ckpt = it
-        if not self.proc.master:
-            return
-        save_checkpoint(self.ckpt_path, {
-            "format": CKPT_FORMAT, "iter_num": it, "best_val_loss": self.best_val,
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "config": run_config(self.args), "model_config": asdict(model.config),
-            # the training data order is a pure function of (seed, rank, step, micro-step)
-            "data_rng": {"scheme": "numpy default_rng([seed, step, global micro-batch])",
-                         "seed": self.args.seed, "next_step": it},
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if self.proc.device_type == "cuda" else None}})
 
     def finish(self, it, model, optimizer, b_t_mean=None):
         """Log and print the summary of a run that stopped before step `it`; loss.png; returns
@@ -788,15 +970,25 @@ class RunLog:
         return summary
 
 
-def save_checkpoint(path, obj):
-    """torch.save to path + '.tmp', fsync, then os.replace: a crash mid-write leaves the previous
-    checkpoint intact."""
+def atomic_write(path, write, mode="wb"):
+    """write(f) into path + '.tmp', fsync, then os.replace onto path: a crash mid-write leaves the
+    previous file intact. On an error the temp file is removed and the error raised again."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def save_checkpoint(path, obj):
+    """torch.save through atomic_write: a crash mid-write leaves the previous checkpoint intact."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def load_checkpoint(path):
@@ -824,11 +1016,22 @@ def load_checkpoint(path):
 
 
 def read_log(path):
-    """Records of a log.jsonl (list of dicts; [] when the file is missing)."""
+    """Records of a log.jsonl (list of dicts; [] when the file is missing). A last line that is not
+    JSON (a kill mid-append) is skipped with a note; such a line elsewhere is a RunError naming the
+    file and line."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for n, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if n != lines[-1][0]:
+                raise RunError(f"{path} line {n} is not a JSON record ({e.msg}); fix or delete that line") from None
+            say(f"{path}: skipped its last line {n}, cut off mid-write ({e.msg})")
+    return records
 
 
 def plot_losses(log_path, png_path):
@@ -869,6 +1072,7 @@ def main(argv=None):
     parser, args = parse_args(argv)
     proc = setup_distributed(args)
     resolve_args(args, parser, proc.device_type == "cuda")
+    setup_threads(args, proc)
     try:
         if args.grad_accum % proc.world:
             raise RunError(f"--grad_accum {args.grad_accum} must be divisible by the number of GPUs ({proc.world})")
@@ -876,6 +1080,7 @@ def main(argv=None):
         if proc.device_type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        check_out_dir(args, proc)
         ckpt = load_checkpoint(resume_path(args)) if args.resume else None  # a bad file fails before data
         batches = setup_data(args, proc)
         model, replaced = setup_model(args, proc, batches)
@@ -889,7 +1094,10 @@ def main(argv=None):
             start_iter, best_val = resume(args, ckpt, model, optimizer, proc.device_type)
             del ckpt
         say_optimizer(args, model)
-        return train(args, proc, model, optimizer, batches, start_iter, best_val)
+        if args.optim in FOURBIT and args.optim != "fp32":
+            say(quantized_summary(model, optimizer))
+        return train(args, proc, model, optimizer, batches, start_iter, best_val,
+                     argv=sys.argv[1:] if argv is None else argv)
     finally:
         if proc.ddp:
             dist.destroy_process_group()
