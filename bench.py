@@ -446,8 +446,8 @@ def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
         run_dir = os.path.join(out_dir, f"{n}proc")
         launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                   "--standalone", "--nproc_per_node", str(n)]
-        r = subprocess.run([*launch, os.path.join(here, "train.py"), *train_args, "--out_dir", run_dir],
-                           env=env, capture_output=True, text=True)
+        r = subprocess.run([*launch, os.path.join(here, "train.py"), *train_args, "--out_dir", run_dir,
+                            "--overwrite"], env=env, capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"{n}-process run failed:\n{r.stderr[-3000:]}")
         with open(os.path.join(run_dir, "log.jsonl")) as f:

@@ -195,8 +195,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             d = _run_dir(out_dir, *run, seed)
             argv = [*train_args, "--method", run[0], "--optim", run[1], *run[2], "--seed", str(seed),
                     "--out_dir", d, "--no-plot"]
-            if resume and os.path.exists(os.path.join(d, "ckpt.pt")):
-                argv.append("--resume")
+            if os.path.exists(os.path.join(d, "ckpt.pt")):   # continue it, or train it again
+                argv.append("--resume" if resume else "--overwrite")
             runs[(*run, seed)] = d
             todo.append((argv, d))
     failed = {}
