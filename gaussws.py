@@ -58,8 +58,12 @@ in the autograd context), and activation recomputation (torch.utils.checkpoint, 
 forward inside backward) reuses the previous seed instead of advancing. Under torch.compile the
 seed is a graph tensor, so any recomputation the compiler does uses it too. Not supported (wrong
 gradients, not detected): torch.utils.checkpoint inside a compiled region (its recomputation
-draws the next seed), a layer called more than once inside one checkpointed region, and two
-checkpointed forwards before one backward (recomputation reuses the layer's last seed).
+draws the next seed). Not supported and detected (RuntimeError naming the layer, in backward):
+a layer called more than once inside one checkpointed region, and two checkpointed forwards
+before one backward; the recomputation reuses the layer's last seed, right for one call only.
+Each eager call tags its seed: with use_reentrant=False the backward compares its call's tag with
+the tag of the seed the recomputation saved; with use_reentrant=True, which recomputes each
+region once per backward, a second recomputation of a layer in one backward raises.
 
 Memory modes: "save" (paper: autograd keeps w_hat in BF16 for ∂L/∂x, +2 B/param) and "recompute"
 (w_hat rebuilt in backward from (w, b_t, seed): no extra persistent bytes, one more
@@ -385,16 +389,27 @@ def _u16(h):
 
 
 @triton.jit
+def _diffq_offsets(pid, M, N, N8, BLOCK: tl.constexpr):
+    """Offsets row * N + col into the (M, N) output, and their mask, of the 8 * BLOCK elements of
+    program pid: element j of packed word q (row q // N8 of the padded (M, 8 * N8) grid). Computed
+    from the word index q < M * N8 <= M * N < 2^31, so int32 does not overflow; the element index
+    8q + j would for M * N8 > 2^28 (e.g. (200M, 9))."""
+    i = tl.arange(0, 8 * BLOCK)
+    q = pid * BLOCK + i // 8
+    row = q // N8
+    col = (q % N8) * 8 + i % 8
+    return row * N + col, (row < M) & (col < N)
+
+
+@triton.jit
 def _gen_diffq_kernel(out_ptr, seed_ptr, M, N, N8, BLOCK: tl.constexpr):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     r0, r1, r2, r3 = _philox_words(seed_ptr, p)
     # element 8p + 2i + L takes the 16-bit half L of word r_i
     u = _interleave8(_u16(r0 & 0xFFFF), _u16(r0 >> 16), _u16(r1 & 0xFFFF), _u16(r1 >> 16),
                      _u16(r2 & 0xFFFF), _u16(r2 >> 16), _u16(r3 & 0xFFFF), _u16(r3 >> 16))
-    e = tl.program_id(0) * (8 * BLOCK) + tl.arange(0, 8 * BLOCK)
-    row = e // (8 * N8)
-    col = e % (8 * N8)
-    tl.store(out_ptr + row * N + col, u, mask=(row < M) & (col < N))
+    offs, mask = _diffq_offsets(tl.program_id(0), M, N, N8, BLOCK)
+    tl.store(out_ptr + offs, u, mask=mask)
 
 
 def _gen_bm_torch(m, n, seed):
@@ -732,6 +747,7 @@ def _pqn_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(output[1], seed)   # tile maxima + seed: R is regenerated, not stored
     ctx.args = (method, w.dtype, impl, fused)
+    ctx.call = _call_of(seed)
 
 
 def _pqn_backward(ctx, g_w_hat, g_tmax):
@@ -740,6 +756,7 @@ def _pqn_backward(ctx, g_w_hat, g_tmax):
     # go through wrap_triton under a tracing mode (_launch); so a compiled backward is right
     # either way, also with torch versions where is_compiling() is false there
     tmax, seed = ctx.saved_tensors
+    _check_recomputed_call(ctx.call, seed)
     dw, dpow2 = _pqn_ops()[1](g_w_hat, tmax, seed, *ctx.args)
     return dw, dpow2, None, None, None, None, None
 
@@ -807,11 +824,13 @@ class _RecomputeLinear(torch.autograd.Function):
         w_hat, tmax = _pqn_ops()[0](w, pow2, seed, method, x.dtype, impl, fused)
         ctx.save_for_backward(x, w, pow2, seed, tmax)
         ctx.args = (method, impl, fused, bias is not None)
+        ctx.call = _call_of(seed)
         return F.linear(x, w_hat, bias)
 
     @staticmethod
     def backward(ctx, gy):
         x, w, pow2, seed, tmax = ctx.saved_tensors
+        _check_recomputed_call(ctx.call, seed)
         method, impl, fused, has_bias = ctx.args
         sample, grad = _pqn_ops()
         w_hat, _ = sample(w, pow2, seed, method, x.dtype, impl, fused)
@@ -891,6 +910,38 @@ def _splitmix64(x):
     return x ^ (x >> 31)
 
 
+def _call_of(seed):
+    """The (layer name, call number) an eager GaussWSLinear forward tagged its seed tensor with;
+    None for other seeds (plain tensors, traced ones under torch.compile)."""
+    return getattr(seed, "_gaussws_call", None)
+
+
+def _check_recomputed_call(call, seed):
+    """Backward of a layer call: the seed it regenerates R from must be that call's. Under
+    torch.utils.checkpoint (use_reentrant=False) the saved seed is the one the recomputation drew,
+    the layer's last seed (see `GaussWSLinear._next_seed`); it is another call's when the layer ran
+    more than once in the checkpointed region, or again (in any region) before this backward. The
+    gradients would then be wrong: raise instead."""
+    got = getattr(seed, "_gaussws_call", call)      # a seed without a tag (e.g. save_on_cpu) passes
+    if call is not None and got is not call:
+        raise RuntimeError(_recompute_error(call[0], f"recomputed its call {call[1]} with the seed of "
+                                                     f"its call {got[1]}"))
+
+
+def _recompute_error(name, what):
+    return (f"GaussWSLinear {name}: torch.utils.checkpoint {what} (the recomputation reuses the "
+            "layer's last seed), so the gradients would be wrong. Inside a checkpointed region call "
+            "each GaussWSLinear once, and run backward before the layer's next forward (one "
+            "checkpointed forward per backward); or leave the layer out of the checkpointed region.")
+
+
+def _in_reentrant_recomputation():
+    """True inside the recomputation of torch.utils.checkpoint(use_reentrant=True), which runs in
+    the backward of its CheckpointFunction."""
+    node = getattr(torch._C, "_current_autograd_node", lambda: None)()
+    return type(node).__name__ == "CheckpointFunctionBackward"
+
+
 def _in_backward_pass():
     """True while the autograd engine runs a backward (where torch.utils.checkpoint re-runs
     forwards); never true under torch.compile tracing."""
@@ -964,8 +1015,10 @@ class GaussWSLinear(nn.Linear):
     (put weight decay on it to pull b_t to b_target). Buffer `noise_state` int64 [key, call
     counter] (checkpointed by state_dict). The counter advances by one at every training-mode
     forward (not at the re-run of a forward by activation checkpointing, which reuses the last
-    seed); eval mode uses w itself (no noise) unless `sample_in_eval` is set, in which case it
-    samples with the current state without advancing it.
+    seed: a layer called twice in one checkpointed region, or checkpointed again before the
+    backward, raises RuntimeError in that backward); eval mode uses w itself (no noise) unless
+    `sample_in_eval` is set, in which case it samples with the current state without advancing
+    it. `reset_parameters()` initialises weight, bias, b_i and noise_state as at construction.
     """
 
     def __init__(self, in_features, out_features, bias=True, method="gaussws", b_init=6.0,
@@ -985,8 +1038,21 @@ class GaussWSLinear(nn.Linear):
         self.sample_in_eval = False
         self.b_i = nn.Parameter(torch.ones(tile_grid(out_features, in_features), device=device,
                                            dtype=torch.float32 if dtype is None else dtype))
-        key = _splitmix64(seed) & (2 ** 63 - 1)
-        self.register_buffer("noise_state", torch.tensor([key, 0], dtype=torch.int64, device=device))
+        self._key = _splitmix64(seed) & (2 ** 63 - 1)
+        self.register_buffer("noise_state", torch.tensor([self._key, 0], dtype=torch.int64, device=device))
+        self._name = f"({in_features} -> {out_features})"   # apply_pqt sets the module name
+        self._calls = 0            # eager training calls, to tag their seeds (_check_recomputed_call)
+        self._last_call = self._replayed = None
+
+    def reset_parameters(self):
+        """Initialise as at construction: weight and bias as nn.Linear does, b_i = 1 and
+        noise_state = [key, 0] (call counter 0, key from the constructor's seed). The way to fill a
+        layer made on the meta device after `to_empty`."""
+        super().reset_parameters()
+        if "b_i" in self._parameters:          # nn.Linear.__init__ calls this before b_i exists
+            with torch.no_grad():
+                self.b_i.fill_(1.0)
+                self.noise_state.copy_(torch.tensor([self._key, 0], dtype=torch.int64))
 
     @property
     def b_t(self):
@@ -998,10 +1064,24 @@ class GaussWSLinear(nn.Linear):
         if not self.training:
             return self.noise_state.clone()
         if _in_backward_pass():      # activation recomputation of the last call: same seed
-            return self.noise_state - torch.tensor([0, 1], device=self.noise_state.device)
+            if _in_reentrant_recomputation():
+                # it recomputes each region once per backward: a second recomputation of the
+                # layer in one backward is of another call (use_reentrant=False: the backward
+                # checks the seed's tag instead; there nested regions recompute a call twice)
+                replay = (torch._C._current_graph_task_id(), self._last_call)
+                if replay == self._replayed:
+                    raise RuntimeError(_recompute_error(self._name, "recomputes the layer a second "
+                                                        "time in one backward"))
+                self._replayed = replay
+            seed = self.noise_state - torch.tensor([0, 1], device=self.noise_state.device)
+            seed._gaussws_call = self._last_call   # backward checks it is its call's
+            return seed
         if torch.compiler.is_compiling():
             return torch.ops.gaussws.next_seed(self.noise_state)
-        return _next_seed_impl(self.noise_state)   # eager: no op dispatch (see _PQNSample)
+        seed = _next_seed_impl(self.noise_state)   # eager: no op dispatch (see _PQNSample)
+        seed._gaussws_call = self._last_call = (self._name, self._calls)
+        self._calls += 1
+        return seed
 
     def forward(self, x):
         if not (self.training or self.sample_in_eval):
@@ -1078,6 +1158,7 @@ def apply_pqt(model, method="gaussws", parts="all", b_init=6, b_target=4, seed=0
         if child.bias is not None:
             layer.bias = child.bias
         layer.train(child.training)
+        layer._name = f"{bname}.{cname}"
         setattr(block, cname, layer)
         replaced.append(f"{bname}.{cname}")
     return replaced

@@ -116,6 +116,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
@@ -126,10 +129,11 @@ def make_norm(config):
     return nn.LayerNorm(config.n_embd, bias=config.bias)
 
 
-def rope_tables(head_dim, max_len, theta):
-    """cos, sin tables of shape (max_len, head_dim // 2), float32 (rotary embeddings)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+def rope_tables(head_dim, max_len, theta, device=None):
+    """cos, sin tables of shape (max_len, head_dim // 2), float32 (rotary embeddings), made on
+    `device` (default: the default device)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32, device=device), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -212,6 +216,24 @@ class GPT(nn.Module):
     Returns (logits, loss): logits (B, T, vocab_size) in the compute dtype; loss is the mean
     cross-entropy (float32 scalar, nats/token) when targets (B, T) are given, else None, and then
     logits are computed for the last position only (B, 1, vocab_size).
+
+    Built on the meta device (no memory, no init time) and then loaded:
+
+        with torch.device("meta"):
+            model = GPT(config)
+            gaussws.apply_pqt(model, ...)     # as the state dict's model had, if it had PQT
+        model.to_empty(device=device)
+        model.load_state_dict(sd)
+
+    gives, bit for bit, the model that GPT(config).to(device) loaded with sd is. The state dict
+    holds the parameters and the persistent buffers (GaussWSLinear's noise_state); what it does
+    not hold is a function of the config, and GPT.to_empty (nn.Module.to_empty: storage on
+    `device`, values uninitialised) restores it: the tied LM head is tied to the embedding again
+    (to_empty gives each module a new Parameter) and the RoPE tables, non-persistent buffers, are
+    recomputed (`init_buffers`). After any other materialisation call `init_buffers()`. With no
+    state dict to load, `reset_parameters()` initialises every parameter and buffer as __init__
+    does (the same values as GPT(config) after the same torch.manual_seed, when there are no PQT
+    layers).
     """
 
     def __init__(self, config):
@@ -229,11 +251,44 @@ class GPT(nn.Module):
             cos, sin = rope_tables(config.n_embd // config.n_head, config.block_size, config.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_gpt_weights()
+
+    def _init_gpt_weights(self):
         self.apply(self._init_weights)
         # nanoGPT / GPT-2 init: residual output projections scaled by 1/sqrt(2 * n_layer)
         for block in self.blocks:
             for lin in (block.attn.out, block.mlp.down):
-                nn.init.normal_(lin.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(lin.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
+    @torch.no_grad()
+    def init_buffers(self):
+        """Recompute the non-persistent buffers (the RoPE tables) in place, keeping their device
+        and dtype: computed in float32 on CPU, as GPT(config) on CPU does, and copied."""
+        if self.config.pos == "rope":
+            c = self.config
+            cos, sin = rope_tables(c.n_embd // c.n_head, c.block_size, c.rope_theta, device="cpu")
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def to_empty(self, *, device, recurse=True):
+        """nn.Module.to_empty, then the tie of the LM head to the embedding and the RoPE tables
+        restored (they are not in the state dict; see the class docstring)."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.init_buffers()
+        return self
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Initialise every parameter and buffer as __init__ does: each submodule's own init in
+        construction order (so the same torch seed draws the same numbers; GaussWSLinear layers
+        get b_i = 1 and noise_state = [key, 0]), the GPT-2 init on top, the RoPE tables."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        self._init_gpt_weights()
+        self.init_buffers()
 
     @staticmethod
     def _init_weights(module):
