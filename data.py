@@ -82,18 +82,22 @@ class GPT2Tokenizer:
 
 
 def get_tokenizer(name="gpt2", verbose=True):
-    """Tokenizer by name: "gpt2" (tiktoken) or "byte". If tiktoken's gpt2 files cannot be loaded
-    (offline without a cache), prints why and returns the byte tokenizer instead.
-    Raises ValueError for other names."""
+    """Tokenizer by name: "gpt2" (tiktoken), "byte", or "auto": gpt2 when tiktoken can load its
+    files, else the byte tokenizer (saying why when verbose). Raises RuntimeError when "gpt2" was
+    asked for and cannot be loaded (offline without a cache), ValueError for other names."""
     if name == "byte":
         return ByteTokenizer()
-    if name != "gpt2":
-        raise ValueError(f"tokenizer={name!r}; allowed: gpt2, byte")
+    if name not in ("gpt2", "auto"):
+        raise ValueError(f"tokenizer={name!r}; allowed: gpt2, byte, auto")
     try:
         return GPT2Tokenizer()
     except Exception as e:  # ImportError, or a download error when offline
+        reason = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+        if name == "gpt2":  # an explicit choice is not replaced behind the user's back
+            raise RuntimeError(f"--tokenizer gpt2: cannot load tiktoken's gpt2 files ({reason}); set "
+                               f"TIKTOKEN_CACHE_DIR to a folder holding them, or use --tokenizer byte") from None
         if verbose:
-            print(f"[data] could not load tiktoken 'gpt2' ({type(e).__name__}: {str(e)[:120]}); "
+            print(f"[data] could not load tiktoken 'gpt2' ({reason}); "
                   f"falling back to the byte tokenizer (vocab 256). Set TIKTOKEN_CACHE_DIR to a folder "
                   f"holding the gpt2 files, or pass --tokenizer byte to silence this.", file=sys.stderr)
         return ByteTokenizer()
@@ -122,6 +126,12 @@ def read_text(path):
         raise ValueError(f"{path}: not UTF-8 text (invalid byte 0x{head[e.start]:02x} at offset {e.start}); "
                          f"--dataset needs UTF-8 text (.txt .md .py, optionally .xz/.gz)") from None
     return raw.decode("utf-8", errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_texts(files):
+    """[read_text(f) for f in files], with a progress bar when reading takes more than 2 s."""
+    from tqdm import tqdm
+    return [read_text(f) for f in tqdm(files, desc="reading", unit="file", delay=2, disable=len(files) < 2)]
 
 
 def is_text_file(path):
@@ -294,7 +304,8 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
     """Prepare a dataset once and return its folder (data_dir/<name>, see dataset_name).
 
     dataset: "stdlib", "shakespeare", "openwebtext", "fineweb-edu", "c4", or a local file/folder.
-    tokenizer: "gpt2" or "byte" (gpt2 falls back to byte when tiktoken cannot load).
+    tokenizer: "gpt2", "byte" or "auto" (gpt2, or byte when tiktoken cannot load its files; an
+    explicit "gpt2" that cannot load is a RuntimeError).
     max_tokens: cap on training tokens, a positive int (remote datasets default to 100M; local
     inputs are not capped unless given). A finished folder (meta.json present) whose meta.json
     matches the request (tokenizer, cap, source files' count/bytes/mtime/names) is reused; one that
@@ -309,7 +320,7 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
         if max_tokens is not None and meta.get("max_tokens") != max_tokens:
             raise ValueError(f"--max_tokens {max_tokens}: {dataset} is a prepared folder (cap "
                              f"{meta.get('max_tokens')}) used as it is; drop --max_tokens or prepare from the source")
-        if meta["tokenizer"] != tokenizer and verbose:
+        if tokenizer not in (meta["tokenizer"], "auto") and verbose:
             print(f"[data] {dataset} was prepared with the {meta['tokenizer']} tokenizer; using it as it is")
         return dataset
     tok = get_tokenizer(tokenizer, verbose=verbose)
@@ -336,8 +347,11 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
                             for k in diff)
             print(f"[data] {out} does not match this request ({why}): preparing it again")
         os.remove(os.path.join(out, "meta.json"))  # unfinished until the new meta.json is written
+    if verbose:
+        print(f"[data] preparing {out} from {dataset} ({tok.name} tokenizer; done once, reused by later runs)",
+              flush=True)
     if dataset == "stdlib":
-        train_docs, val_docs, source = [read_text(f) for f in files], [], f"python stdlib {root} ({len(files)} files)"
+        train_docs, val_docs, source = read_texts(files), [], f"python stdlib {root} ({len(files)} files)"
     elif dataset == "shakespeare":
         train_docs, val_docs, source = [_download_shakespeare()], [], SHAKESPEARE_URL
     elif dataset in REMOTE:
@@ -345,8 +359,8 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
         source = f"HF datasets {dataset} (streamed, ~{max_tokens} tokens)"
     else:
         is_val = [os.path.basename(f).lower().startswith("val") for f in files]
-        train_docs = [read_text(f) for f, v in zip(files, is_val) if not v]
-        val_docs = [read_text(f) for f, v in zip(files, is_val) if v]
+        train_docs = read_texts([f for f, v in zip(files, is_val) if not v])
+        val_docs = read_texts([f for f, v in zip(files, is_val) if v])
         source = f"{os.path.abspath(dataset)} ({len(files)} files)"
     train = tokenize_docs(train_docs, tok, desc=f"tokenizing {dataset} ({tok.name})")
     val = tokenize_docs(val_docs, tok, desc="tokenizing val") if val_docs else None
