@@ -183,7 +183,7 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
               c_tau = ||y||² / max(<y, T[code]>, tau), y = x (1/s), tau = 1e-12 (the normalized form,
               sums in float64); an all-zero block gets c_tau = 0 and decodes to zero.
     u:        optional float32 uniforms in [0, 1) shaped like x for rule="sr" (else drawn with
-              torch.rand(generator=generator)).
+              torch.rand(generator=generator) in float32, whatever torch's default dtype).
     Returns (packed uint8 (numel/2,), scales float32 (numel/block_size,)).
     Raises TypeError for a non-float x; ValueError on a bad block_size, rule, coord, codebook,
     bias_correction2 or u, a non-divisible numel, or negative x with coord="update".
@@ -196,7 +196,8 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     s = xb.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)       # eq. D3
     y = xb * (1 / s)                 # normalized to [-1, 1]: one reciprocal per block
     if rule == "sr" and u is None:
-        u = torch.rand(xb.shape, device=xb.device, generator=generator)
+        # float32 whatever the default dtype: bfloat16 draws take ~1700 values and bias SR
+        u = torch.rand(xb.shape, dtype=torch.float32, device=xb.device, generator=generator)
     if rule == "sr":
         if u.numel() != xb.numel():
             raise ValueError(f"u must have one uniform per element of x ({xb.numel()}), got {u.numel()}")
@@ -339,7 +340,7 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
             by_t.setdefault(t, []).append((p, st))
         for t, its in by_t.items():
             ps = [p for p, _ in its]
-            step = torch.full((), float(t), device=ps[0].device)
+            step = torch.full((), float(t), dtype=torch.float32, device=ps[0].device)
             torch._fused_adamw_(ps, [p.grad.float() for p in ps], [st["exp_avg"] for _, st in its],
                                 [st["exp_avg_sq"] for _, st in its], [], [step] * len(ps),
                                 lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
@@ -467,6 +468,16 @@ class AdamW4bit(torch.optim.Optimizer):
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise.
     state["step"] is a Python float (as in torch.optim before 1.12): no tensor op per parameter
     and step.
+    A NaN or Inf gradient element poisons its whole block of block_size elements, where
+    torch.optim.AdamW poisons only that element. At its step t only that parameter becomes NaN
+    (the update uses the unquantized moments, like torch's AdamW), but the block's absmax, and so
+    its stored scales, become NaN (a NaN gradient) or Inf (an Inf one; v's scale NaN with EDEN):
+    from step t + 1 every moment of the block decodes to NaN or Inf and all block_size parameters
+    of the block are NaN, for good; the other blocks stay finite. The reference and the kernel
+    behave alike. Keeping it to the element would need a NaN-aware block max (an extra
+    instruction per element in the kernel's inner loop) and a block scale other than the
+    authors' absmax. With either optimizer a non-finite gradient needs the caller's check:
+    train.py stops on a non-finite loss or gradient norm.
     Raises ValueError/TypeError for bad hyperparameters (also in param groups), unknown names,
     non-float parameters and mismatched state dicts; RuntimeError (as torch's AdamW) for sparse
     gradients.
@@ -992,7 +1003,7 @@ def _bucket_lut(bounds, n=None, margin=2.0 ** -12):
     if bounds.numel() and (inside.sum(1).max() > 1 or bounds.abs().max() > 1):
         raise ValueError(f"codebook levels are closer than the kernel's level buckets (2/{n} plus "
                          f"margins) or outside [-1, 1]: boundaries {bounds.tolist()}")
-    nxt = torch.cat([bounds, torch.tensor([2.0])])
+    nxt = torch.cat([bounds, torch.tensor([2.0], dtype=torch.float32)])
     return _pair_bits(count.to(torch.int32), nxt[count])
 
 
