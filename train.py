@@ -707,17 +707,7 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
                 break
             signum = interrupts.requested()
             if signum:  # Ctrl-C / SIGTERM since the last step: every rank stops here, with a checkpoint
-                log.flush()
-                if log.last_ckpt != it:
-                    log.checkpoint(it, raw_model, optimizer)
-                if proc.ddp:  # no rank exits before rank 0 has written the checkpoint
-                    dist.barrier(group=interrupts.group)
-                log.bar.close()
-                if log.file:
-                    log.file.close()
-                say(f"{signal.Signals(signum).name}: stopped at step {it} with a checkpoint in {log.ckpt_path}; "
-                    f"continue with: {resume_command(argv, proc)}")
-                raise SystemExit(128 + signum)
+                log.interrupted(signum, it, raw_model, optimizer, interrupts.group, resume_command(argv, proc))
             # one optimizer step
             lr = get_lr(it, args.max_iters, args.lr, args.schedule, args.warmup_frac,
                         args.cooldown_frac, args.min_lr_frac)
@@ -936,6 +926,21 @@ class RunLog:
                 raise RunError(f"--out_dir {self.args.out_dir}: cannot write the checkpoint for step {it} "
                                f"({reason}); {kept}") from None
         self.last_ckpt = it
+
+    def interrupted(self, signum, it, model, optimizer, group, resume_cmd):
+        """Stop at step `it` after a signal: checkpoint (unless one is there), close the log, print
+        the command that continues, exit with status 128 + signum (130 for SIGINT, 143 for SIGTERM)."""
+        self.flush()
+        if self.last_ckpt != it:
+            self.checkpoint(it, model, optimizer)
+        if self.proc.ddp:  # no rank exits before rank 0 has written the checkpoint
+            dist.barrier(group=group)
+        self.bar.close()
+        if self.file:
+            self.file.close()
+        say(f"{signal.Signals(signum).name}: stopped at step {it} with a checkpoint in {self.ckpt_path}; "
+            f"continue with: {resume_cmd}")
+        raise SystemExit(128 + signum)
 
     def finish(self, it, model, optimizer, b_t_mean=None):
         """Log and print the summary of a run that stopped before step `it`; loss.png; returns
