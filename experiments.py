@@ -490,90 +490,104 @@ def plot_results(paths):
             print(f"(no plot for {path}: the file name must end in _<section>.json, section one of "
                   "optim, memory, noise, train, ddp, quality)")
             continue
-        title = f"{r.get('gpu', '')} {r.get('date', '')}: {r.get('command', '')}"[:110]
-        fig = None
-        if section == "optim":
-            cases = list(dict.fromkeys(x["case"] for x in r["rows"]))
-            fig, axs = plt.subplots(len(cases), 1, figsize=(8, 2.2 * len(cases)), squeeze=False)
-            for ax, case in zip(axs[:, 0], cases):
-                rows = [x for x in r["rows"] if x["case"] == case and "reference" not in x["optimizer"]]
-                _bars(ax, [f"{x['optimizer']} ({x['state_bytes_per_param']:.2f} B/param)" for x in rows],
-                      [x["ms"] for x in rows], case, "step time, ms")
-                for x in rows:
-                    ax.axvline(x["floor_ms"], ls=":", lw=0.8, color="k")
-        elif section == "memory":
-            fig, ax = plt.subplots(figsize=(8, 3.5))
-            labels = [f"{x['method']} {x['memory']} {x['optim']}" for x in r["rows"]]
-            left = [0.0] * len(labels)
-            for part in r["rows"][0]["measured_B_per_param"]:
-                v = [x["measured_B_per_param"][part] for x in r["rows"]]
-                ax.barh(range(len(labels)), v, left=left, label=part)
-                left = [a + b for a, b in zip(left, v)]
+        try:
+            png = _plot_one(plt, r, section, path, stem)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            print(f"(no plot for {path}: not a {section} result as bench.py / experiments.py write it: "
+                  f"{type(e).__name__} {e})")
+            plt.close("all")
+            continue
+        out += png
+    return out
+
+
+def _plot_one(plt, r, section, path, stem):
+    """The figure(s) of one result JSON `r` (see plot_results); returns the PNG paths written."""
+    out = []
+    title = f"{r.get('gpu', '')} {r.get('date', '')}: {r.get('command', '')}"[:110]
+    fig = None
+    if section == "optim":
+        cases = list(dict.fromkeys(x["case"] for x in r["rows"]))
+        fig, axs = plt.subplots(len(cases), 1, figsize=(8, 2.2 * len(cases)), squeeze=False)
+        for ax, case in zip(axs[:, 0], cases):
+            rows = [x for x in r["rows"] if x["case"] == case and "reference" not in x["optimizer"]]
+            _bars(ax, [f"{x['optimizer']} ({x['state_bytes_per_param']:.2f} B/param)" for x in rows],
+                  [x["ms"] for x in rows], case, "step time, ms")
+            for x in rows:
+                ax.axvline(x["floor_ms"], ls=":", lw=0.8, color="k")
+    elif section == "memory":
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        labels = [f"{x['method']} {x['memory']} {x['optim']}" for x in r["rows"]]
+        left = [0.0] * len(labels)
+        for part in r["rows"][0]["measured_B_per_param"]:
+            v = [x["measured_B_per_param"][part] for x in r["rows"]]
+            ax.barh(range(len(labels)), v, left=left, label=part)
+            left = [a + b for a, b in zip(left, v)]
+        ax.set_yticks(range(len(labels)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"training-state bytes per parameter ({r['preset']})")
+        ax.legend(fontsize=7)
+    elif section == "noise":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        shapes = [x["shape"] for x in r["rows"]]
+        for k, name in (("eager", "eager torch"), ("compiled", "torch.compile"), ("bm", "Box-Muller"),
+                        ("ours", "ours 3-step"), ("fused", "ours fused"), ("floor", "bandwidth floor")):
+            ax.plot(shapes, [x[k] * 1e3 for x in r["rows"]], marker="o", label=name)
+        ax.set_yscale("log")
+        ax.set_ylabel("eq. 3 forward, us")
+        ax.legend(fontsize=7)
+    elif section == "train":
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        rows = [x for x in r["rows"] if x["method"] != "bf16"]
+        _bars(ax, [f"{x['model']} {x['optim']} {x['method']}" for x in rows],
+              [x["overhead_pct"] for x in rows], "Table 1: tokens/s overhead vs BF16 (same model, optimizer)",
+              "overhead, %")
+    elif section == "ddp":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(r["one"]["step_loss"], lw=1, label="1 GPU (grad_accum 2)")
+        ax.plot(r["many"]["step_loss"], lw=1, label=f"{r['nproc']} GPUs (DDP)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.legend(fontsize=7)
+    elif section == "quality":
+        exps = r["experiments"]
+        fig, axs = plt.subplots(len(exps), 1, figsize=(8, 1.2 + 0.45 * sum(len(e) for e in exps.values())),
+                                squeeze=False)   # one experiment: still a list of axes
+        for ax, (exp, rows) in zip(axs[:, 0], exps.items()):
+            labels = list(rows)
+            for i, lab in enumerate(labels):
+                vals = [v for v in rows[lab]["final_val_loss"] if v is not None]
+                ax.scatter(vals, [i] * len(vals), color="tab:blue", s=14)
+                if rows[lab]["mean"] is not None:
+                    ax.scatter([rows[lab]["mean"]], [i], marker="|", s=200, color="k")
             ax.set_yticks(range(len(labels)))
             ax.set_yticklabels(labels, fontsize=7)
             ax.invert_yaxis()
-            ax.set_xlabel(f"training-state bytes per parameter ({r['preset']})")
-            ax.legend(fontsize=7)
-        elif section == "noise":
-            fig, ax = plt.subplots(figsize=(7, 4))
-            shapes = [x["shape"] for x in r["rows"]]
-            for k, name in (("eager", "eager torch"), ("compiled", "torch.compile"), ("bm", "Box-Muller"),
-                            ("ours", "ours 3-step"), ("fused", "ours fused"), ("floor", "bandwidth floor")):
-                ax.plot(shapes, [x[k] * 1e3 for x in r["rows"]], marker="o", label=name)
-            ax.set_yscale("log")
-            ax.set_ylabel("eq. 3 forward, us")
-            ax.legend(fontsize=7)
-        elif section == "train":
-            fig, ax = plt.subplots(figsize=(8, 4.5))
-            rows = [x for x in r["rows"] if x["method"] != "bf16"]
-            _bars(ax, [f"{x['model']} {x['optim']} {x['method']}" for x in rows],
-                  [x["overhead_pct"] for x in rows], "Table 1: tokens/s overhead vs BF16 (same model, optimizer)",
-                  "overhead, %")
-        elif section == "ddp":
-            fig, ax = plt.subplots(figsize=(7, 4))
-            ax.plot(r["one"]["step_loss"], lw=1, label="1 GPU (grad_accum 2)")
-            ax.plot(r["many"]["step_loss"], lw=1, label=f"{r['nproc']} GPUs (DDP)")
-            ax.set_xlabel("step")
-            ax.set_ylabel("training loss")
-            ax.legend(fontsize=7)
-        elif section == "quality":
-            exps = r["experiments"]
-            fig, axs = plt.subplots(len(exps), 1, figsize=(8, 1.2 + 0.45 * sum(len(e) for e in exps.values())),
-                                    squeeze=False)   # one experiment: still a list of axes
-            for ax, (exp, rows) in zip(axs[:, 0], exps.items()):
-                labels = list(rows)
-                for i, lab in enumerate(labels):
-                    vals = [v for v in rows[lab]["final_val_loss"] if v is not None]
-                    ax.scatter(vals, [i] * len(vals), color="tab:blue", s=14)
-                    if rows[lab]["mean"] is not None:
-                        ax.scatter([rows[lab]["mean"]], [i], marker="|", s=200, color="k")
-                ax.set_yticks(range(len(labels)))
-                ax.set_yticklabels(labels, fontsize=7)
-                ax.invert_yaxis()
-                ax.set_title(f"{exp}: final val loss per seed (| = mean)", fontsize=9)
-                ax.grid(axis="x", alpha=0.3)
-                if exp == "zeropoint":
-                    ax.set_xscale("log")
-                if any(row.get("curves") for row in rows.values()):
-                    _plot_quality(exp, rows, f"{stem}_{exp}.png", train_loss=exp == "zeropoint")
-                    out.append(f"{stem}_{exp}.png")
-            if any(v.get("sweep_delta") for v in (r.get("cast") or {}).values()):
-                _plot_cast(r["cast"], f"{stem}_cast.png")
-                out.append(f"{stem}_cast.png")
-            for label, b in (r.get("bitwidth") or {}).items():
-                if b["method"] == "gaussws":
-                    stats = dict(b["layers"], all={k: b[k] for k in ("share_le5", "share_le9", "share_le12")})
-                    _plot_bitwidth(stats, f"{stem}_bitwidth.png", f"{label}: learned b_t per layer (paper A Figure 5)")
-                    out.append(f"{stem}_bitwidth.png")
-                    break
-        if fig is None:
-            continue
-        fig.suptitle(title, fontsize=7)
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=110)
-        plt.close(fig)
-        out.append(stem + ".png")
-        print("wrote", stem + ".png")
+            ax.set_title(f"{exp}: final val loss per seed (| = mean)", fontsize=9)
+            ax.grid(axis="x", alpha=0.3)
+            if exp == "zeropoint":
+                ax.set_xscale("log")
+            if any(row.get("curves") for row in rows.values()):
+                _plot_quality(exp, rows, f"{stem}_{exp}.png", train_loss=exp == "zeropoint")
+                out.append(f"{stem}_{exp}.png")
+        if any(v.get("sweep_delta") for v in (r.get("cast") or {}).values()):
+            _plot_cast(r["cast"], f"{stem}_cast.png")
+            out.append(f"{stem}_cast.png")
+        for label, b in (r.get("bitwidth") or {}).items():
+            if b["method"] == "gaussws":
+                stats = dict(b["layers"], all={k: b[k] for k in ("share_le5", "share_le9", "share_le12")})
+                _plot_bitwidth(stats, f"{stem}_bitwidth.png", f"{label}: learned b_t per layer (paper A Figure 5)")
+                out.append(f"{stem}_bitwidth.png")
+                break
+    if fig is None:
+        return out
+    fig.suptitle(title, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)
+    plt.close(fig)
+    out.append(stem + ".png")
+    print("wrote", stem + ".png")
     return out
 
 
@@ -663,6 +677,14 @@ def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.command == "plots":
+        for path in args.paths:
+            try:
+                with open(path) as f:
+                    ok = isinstance(json.load(f), dict)
+            except (OSError, ValueError) as e:
+                ap.error(f"plots {path}: not a readable result JSON ({type(e).__name__}: {str(e)[:100]})")
+            if not ok:
+                ap.error(f"plots {path}: not a result JSON (a JSON object written by bench.py or experiments.py)")
         plot_results(args.paths or sorted(glob.glob(os.path.join("results", "*.json"))))
     else:
         run_quality(args, ap, "experiments.py", "python experiments.py " + shlex.join(argv))

@@ -809,8 +809,11 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     used as clamp(b_t, B_MIN, B_MAX) = [1, 24] bits (∂L/∂b_t = 0 where clamped); seed: int in
     [0, 2**63) or int64 tensor [key, counter]; returns w_hat (m, n) in out_dtype (paper: BF16).
     fused=True generates R inside the apply/grad kernels (GaussWS only; same R, same result).
-    Raises TypeError (w dtype, seed type) / ValueError (shapes, empty w, seed range, method, impl)."""
+    Raises TypeError (w dtype, out_dtype, seed type) / ValueError (shapes, empty w, seed range,
+    method, impl)."""
     impl, seed = _check_sample_args(w, b_t, method, impl, seed)
+    if out_dtype not in W_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype!r}; allowed: torch.float32, torch.bfloat16, torch.float16")
     pow2 = _pow2(b_t)   # autograd: d pow2 / d b_t = -ln2 · pow2 (eq. 4), 0 where b_t is clamped
     return _pqn_sample(w.contiguous(), pow2, seed, method, out_dtype, impl, fused)[0]
 

@@ -1673,7 +1673,7 @@ def test_compile_inductor_matches_eager():
 
 def test_eager_layer_skips_op_dispatch(monkeypatch):
     """Eager forward/backward of a PQT layer calls the kernels' Python functions directly, not the
-    torch.library ops (their dispatch made an eager 3B step host-bound on the H200); the result
+    torch.library ops (their dispatch made an eager 3B step host-bound on the GPU); the result
     equals the op path's (w_hat and both grads)."""
     torch.manual_seed(16)
     w = torch.randn(70, 45, requires_grad=True)
@@ -1713,6 +1713,9 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.gaussws_sample(w.long(), bt, 0)
     with pytest.raises(ValueError, match="method='bogus'"):
         g.gaussws_sample(w, bt, 0, method="bogus")
+    for dt in (torch.int32, "bf16"):
+        with pytest.raises(TypeError, match="out_dtype=.*allowed: torch.float32, torch.bfloat16"):
+            g.gaussws_sample(w, bt, 0, out_dtype=dt)
     for x in (torch.randn(3, 45).double(), torch.ones(3, 45, dtype=torch.long)):
         with pytest.raises(TypeError, match=f"x has dtype {x.dtype}; allowed: float32, bfloat16, float16"):
             g.GaussWSLinear(45, 70, impl="torch")(x)
@@ -2799,6 +2802,37 @@ def test_unreadable_checkpoint_is_one_clear_line(tmp_path):
         msg = str(e.value)
         assert len(msg.splitlines()) == 1 and path in msg and "corrupt or truncated" in msg and reason in msg
         assert "weights_only" not in msg and "Weights only load failed" not in msg
+
+
+def test_edited_checkpoint_that_loads_but_does_not_fit_is_one_line(corpus, tmp_path):
+    """A checkpoint of this configuration edited by hand (a tensor reshaped, a key or the RNG state
+    removed, another optimizer's state) stops --resume with one line naming the file."""
+    out = tmp_path / "run"
+    args = base_args(corpus, out, "--max_iters", "4", "--eval_interval", "2")
+    train.main(args + ["--stop_after", "2"])
+    path = out / "ckpt.pt"
+    good = torch.load(path, weights_only=False)
+    def edit_model(c):
+        c["model"]["wte.weight"] = c["model"]["wte.weight"][:-1]
+    def drop_rng(c):
+        del c["rng"]
+    def other_optimizer(c):
+        c["optimizer"]["param_groups"] = c["optimizer"]["param_groups"] * 2
+    for edit in (edit_model, drop_rng, other_optimizer):
+        c = {**good, "model": dict(good["model"]), "optimizer": dict(good["optimizer"])}
+        edit(c)
+        torch.save(c, path)
+        with pytest.raises(train.RunError) as e:
+            train.main(args + ["--resume"])
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and str(path) in msg and "does not fit" in msg, (edit.__name__, msg)
+
+
+def test_parts_with_spaces_read_as_apply_pqt_reads_them(corpus, tmp_path):
+    parser = train.build_parser()
+    args = parser.parse_args(base_args(corpus, tmp_path, "--method", "gaussws", "--parts", "qkv, out"))
+    train.resolve_args(args, parser, cuda=False)
+    assert args.parts == "qkv,out"
 
 
 def test_binary_file_in_train_py_is_a_one_line_error(tmp_path):

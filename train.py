@@ -96,7 +96,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser():
-    # allow_abbrev=False: bench.py sets some flags per run and refuses them in --train_args by
+    # allow_abbrev=False: experiments.py sets some flags per run and refuses them in --train_args by
     # name, so an abbreviation (--max_it) must not slip through as the full flag
     p = OneLineParser(prog="train.py", description=__doc__.split("\n\n")[0].strip(),
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
@@ -262,6 +262,7 @@ def resolve_args(args, parser, cuda):
     if args.b_target > args.b_init:
         parser.error(f"--b_target {args.b_target} > --b_init {args.b_init}: need b_target <= b_init (paper A eq. 11)")
     allowed = preset_config(args.preset).parts
+    args.parts = ",".join(x.strip() for x in args.parts.split(","))   # "qkv, out" as apply_pqt reads it
     if args.parts not in ("all", "od"):
         bad = [x for x in args.parts.split(",") if x not in allowed]
         if bad or not args.parts:
@@ -572,11 +573,16 @@ def resume_is_done(args, ckpt):
 def resume(args, ckpt, model, optimizer, device_type):
     """Load model, optimizer and RNG state from the checkpoint; (start_iter, best_val_loss). The
     data order needs no state: it is a pure function of (seed, step, micro-batch)."""
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    if device_type == "cuda" and ckpt["rng"].get("cuda") is not None:
-        torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    try:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if device_type == "cuda" and ckpt["rng"].get("cuda") is not None:
+            torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as e:   # a checkpoint edited by hand
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RunError(f"--resume {resume_path(args)}: the checkpoint does not fit this model and "
+                       f"optimizer ({type(e).__name__}: {msg[:200]})") from None
     say(f"resumed from {resume_path(args)} at step {ckpt['iter_num']}")
     return ckpt["iter_num"], ckpt["best_val_loss"]
 
