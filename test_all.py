@@ -2988,6 +2988,11 @@ def test_torn_last_log_line_is_skipped_and_a_bad_middle_line_is_named(corpus, tm
     (out / "log.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(train.RunError, match=r"log\.jsonl line 3 is not a JSON record \(.*\); fix or delete"):
         train.main(args + ["--resume"])
+    for bad in ('{"type": "step"}', "[1, 2]", "3"):               # JSON, but not one of our records
+        lines[2] = bad
+        (out / "log.jsonl").write_text("\n".join(lines) + "\n")
+        with pytest.raises(train.RunError, match=r"log\.jsonl line 3 is not a record of this trainer"):
+            train.main(args + ["--resume"])
 
 
 def test_unwritable_out_dir_and_full_disk_are_one_line_errors(corpus, tmp_path, monkeypatch):

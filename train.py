@@ -584,6 +584,10 @@ def resume(args, ckpt, model, optimizer, device_type):
         raise RunError(f"--resume {resume_path(args)}: the checkpoint does not fit this model and "
                        f"optimizer ({type(e).__name__}: {msg[:200]})") from None
     say(f"resumed from {resume_path(args)} at step {ckpt['iter_num']}")
+    saved = ckpt["config"].get("max_iters")
+    if saved is not None and saved != args.max_iters:
+        say(f"--max_iters {args.max_iters} (the checkpoint's run had {saved}): the learning-rate schedule "
+            f"is recomputed for {args.max_iters} steps")
     return ckpt["iter_num"], ckpt["best_val_loss"]
 
 
@@ -1037,11 +1041,17 @@ def read_log(path):
     records = []
     for n, line in lines:
         try:
-            records.append(json.loads(line))
+            r = json.loads(line)
         except json.JSONDecodeError as e:
             if n != lines[-1][0]:
                 raise RunError(f"{path} line {n} is not a JSON record ({e.msg}); fix or delete that line") from None
             say(f"{path}: skipped its last line {n}, cut off mid-write ({e.msg})")
+            continue
+        if not (isinstance(r, dict) and isinstance(r.get("type"), str)
+                and (r["type"] not in ("step", "eval") or isinstance(r.get("iter"), int))):
+            raise RunError(f"{path} line {n} is not a record of this trainer (a JSON object with a \"type\", "
+                           f"and an integer \"iter\" for steps and evals); fix or delete that line")
+        records.append(r)
     return records
 
 
