@@ -59,9 +59,10 @@ forward inside backward) reuses the previous seed instead of advancing. Under to
 seed is a graph tensor, so any recomputation the compiler does uses it too. Not supported (wrong
 gradients, not detected): torch.utils.checkpoint inside a compiled region (its recomputation
 draws the next seed), and with use_reentrant=True a layer called once inside a checkpointed
-region and again outside it before the backward. Not supported and detected (RuntimeError naming the layer, in backward):
-a layer called more than once inside one checkpointed region, and two checkpointed forwards
-before one backward; the recomputation reuses the layer's last seed, right for one call only.
+region and again outside it before the backward. Not supported and detected (RuntimeError naming
+the layer, in backward): a layer called more than once inside one checkpointed region, and two
+checkpointed forwards before one backward; the recomputation reuses the layer's last seed, right
+for one call only.
 Each eager call tags its seed: with use_reentrant=False the backward compares its call's tag with
 the tag of the seed the recomputation saved; with use_reentrant=True, which recomputes each
 region once per backward, a second recomputation of a layer in one backward raises.

@@ -326,7 +326,7 @@ def setup_threads(args, proc):
     the user chose (OMP_NUM_THREADS, or torch.set_num_threads before main) is kept; else the cores
     less one, at least 1. Leaving a core free matters under load: OpenMP threads wait for each
     other at the end of every op, so one thread descheduled by another process stalls them all
-    (2 busy cores, 40 steps of --method gaussws --optim zipsr: 712 s with 2 threads, 63 s with 1)."""
+    (measured both ways in results/README.md)."""
     if proc.device_type != "cpu":
         return
     n = torch.get_num_threads()
