@@ -442,8 +442,11 @@ class AdamW4bit(torch.optim.Optimizer):
     """AdamW with block-quantized 4-bit moments (paper B, Sec. 2.1, Def. 3, Table 2).
 
     params:       iterable of tensors or param-group dicts (per-group lr, betas, eps,
-                  weight_decay). Parameters are the FP32 master weights (bf16/fp16 also work:
-                  the math runs in FP32 and the result is cast back).
+                  weight_decay, quantize). Parameters are the FP32 master weights (bf16/fp16 also
+                  work: the math runs in FP32 and the result is cast back). A group with
+                  quantize=False keeps FP32 states for all its tensors (e.g. embeddings and the
+                  LM head, as bitsandbytes' GlobalOptimManager does); the option is saved in
+                  state_dict(), so a resumed run keeps the policy.
     lr:           float or 0-d tensor (works with torch.optim.lr_scheduler).
     betas, eps, weight_decay: AdamW's; weight decay is decoupled: w <- (1 - lr wd) w.
     preset:       "fp32" (plain AdamW, FP32 states), "torchao" (SDyn4 State-RTN m, Lin4-NZ
@@ -456,7 +459,8 @@ class AdamW4bit(torch.optim.Optimizer):
       lm_head_sr_after: progress fraction after which the parameters passed to mark_lm_head()
         store their first moment with SR instead of RTN (0.9 for zipsr/zeeden; None = never).
     block_size:   elements per scale block (power of two, default 128). A moment is quantized
-                  iff numel >= 4096 and numel % block_size == 0; others keep FP32 states.
+                  iff numel >= 4096 and numel % block_size == 0 and its group does not set
+                  quantize=False; others keep FP32 states.
     impl:         "torch" (reference), "triton" (fused kernel, CUDA or TRITON_INTERPRET=1), or
                   "auto" (triton on CUDA tensors, torch otherwise). A custom codebook whose levels
                   (or level midpoints) are closer than the kernel's buckets (~0.004) runs on the
@@ -512,7 +516,7 @@ class AdamW4bit(torch.optim.Optimizer):
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, quantize=True)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -521,6 +525,9 @@ class AdamW4bit(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_hparams(group, f"param group {len(self.param_groups) - 1}: ")
+        if not isinstance(group["quantize"], bool):
+            raise TypeError(f"param group {len(self.param_groups) - 1}: quantize must be True (4-bit "
+                            f"states where eligible) or False (FP32 states), got {group['quantize']!r}")
         for p in group["params"]:
             if not p.is_floating_point():
                 raise TypeError(f"AdamW4bit needs real floating-point parameters, got {p.dtype} "
@@ -550,16 +557,32 @@ class AdamW4bit(torch.optim.Optimizer):
         return self.qcfg["m_rounding"]
 
     # ---- state --------------------------------------------------------------------------------
-    def is_quantized(self, p):
-        """True if p's moments are stored in 4 bits (quantized preset and eligible size)."""
+    def _eligible(self, p):
         B = self.qcfg["block_size"]
         return (self.qcfg["m_codebook"] is not None and p.numel() >= MIN_QUANT_NUMEL
                 and p.numel() % B == 0)
 
-    def _init_state(self, p):
+    def is_quantized(self, p, group=None):
+        """True if p's moments are stored in 4 bits: a quantized preset, an eligible size, and p's
+        param group (`group`, else looked up) does not set quantize=False. ValueError when p already
+        has states of the other kind (the group's quantize flag was changed after its first step)."""
+        if group is None:
+            group = next((g for g in self.param_groups if any(p is q for q in g["params"])), None)
+            if group is None:
+                raise ValueError(f"is_quantized: the tensor of shape {tuple(p.shape)} is not a "
+                                 "parameter of this optimizer")
+        q = group.get("quantize", True) and self._eligible(p)   # older state dicts: no flag
+        st = self.state.get(p)
+        if st and "exp_avg" in st and (st["exp_avg"].dtype == torch.uint8) != q:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} has {'FP32' if q else '4-bit'} "
+                             f"states but its param group now says quantize={group.get('quantize', True)}; "
+                             "set quantize per group before the first step (or load a state dict)")
+        return q
+
+    def _init_state(self, p, group=None):
         st = self.state[p]
         st["step"] = 0.0        # a Python number: no tensor op per parameter and step
-        if self.is_quantized(p):
+        if self.is_quantized(p, group):
             n, B = p.numel(), self.qcfg["block_size"]
             for k in ("exp_avg", "exp_avg_sq"):
                 # scale 0 decodes every code to 0: the zero initial moments of AdamW
@@ -580,7 +603,8 @@ class AdamW4bit(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def state_dict(self):
-        """torch's state dict plus the quantizer configuration, seed, progress and LM-head marks."""
+        """torch's state dict (param groups with their quantize flags) plus the quantizer
+        configuration, seed, progress and LM-head marks."""
         sd = super().state_dict()
         sd["adam4bit"] = {k: self.qcfg[k] for k in sorted(self.qcfg)}
         sd["adam4bit_extra"] = dict(seed=self.seed, progress=self.progress, lm_head=[
@@ -605,9 +629,11 @@ class AdamW4bit(torch.optim.Optimizer):
                              f"(saved, current): {diff}")
         params = self._params()
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        for pid, p in zip(saved_ids, params):
+        saved_q = [g.get("quantize", True) for g in state_dict["param_groups"] for _ in g["params"]]
+        for pid, p, q in zip(saved_ids, params, saved_q):
             st = state_dict["state"].get(pid, {})
-            if "exp_avg" in st and st["exp_avg"].numel() != (p.numel() // 2 if self.is_quantized(p) else p.numel()):
+            quantized = q and self._eligible(p)     # the saved group's policy, which load adopts
+            if "exp_avg" in st and st["exp_avg"].numel() != (p.numel() // 2 if quantized else p.numel()):
                 raise ValueError(f"optimizer state of parameter {pid} ({st['exp_avg'].numel()} exp_avg "
                                  f"entries) does not fit the parameter of shape {tuple(p.shape)}")
         super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
@@ -652,10 +678,10 @@ class AdamW4bit(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("AdamW4bit does not support sparse gradients; "
                                        "use dense gradients (e.g. nn.Embedding(sparse=False))")
-                st = self.state[p] if self.state[p] else self._init_state(p)
+                st = self.state[p] if self.state[p] else self._init_state(p, group)
                 st["step"] += 1
                 t = int(st["step"])
-                if not self.is_quantized(p):
+                if not self.is_quantized(p, group):
                     fp32.append((p, st, t))
                     continue
                 m_rule = self.m_rounding_for(p)

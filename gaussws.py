@@ -80,9 +80,11 @@ the differentiable sample (`gaussws_sample`, `pqt_linear`) → seeds (§3.6) →
 (eq. 11–12) → `GaussWSLinear` → `apply_pqt` → Figure 5 statistics and Table C tiers → Table C
 casting. Each kernel sits right after its torch twin, followed by its wrapper.
 """
+import fnmatch
 import math
 import os
 import random
+import re
 
 import torch
 import torch.nn as nn
@@ -1059,6 +1061,23 @@ class GaussWSLinear(nn.Linear):
                 self.b_i.fill_(1.0)
                 self.noise_state.copy_(torch.tensor([self._key, 0], dtype=torch.int64))
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A plain checkpoint (weight, bias, no b_i and no noise_state: the model before apply_pqt)
+        # loads too, also with strict=True: b_i and noise_state start as at construction (b_i = 1,
+        # call counter 0), so fine-tuning from it is a fresh PQT run from those weights.
+        plain = prefix + "weight" in state_dict and not any(prefix + k in state_dict
+                                                             for k in ("b_i", "noise_state"))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if plain:
+            with torch.no_grad():
+                self.b_i.fill_(1.0)
+                self.noise_state.copy_(torch.tensor([self._key, 0], dtype=torch.int64))
+            for k in ("b_i", "noise_state"):
+                if prefix + k in missing_keys:
+                    missing_keys.remove(prefix + k)
+
     @property
     def b_t(self):
         """Tile bitwidths, exactly eq. 11 (not clamped; sampling clamps to [B_MIN, B_MAX]),
@@ -1099,8 +1118,43 @@ class GaussWSLinear(nn.Linear):
                 f"b_target={self.b_target}, memory={self.memory}")
 
 
+class GaussWSConv1D(GaussWSLinear):
+    """GaussWSLinear in the layout of Hugging Face's GPT-2 `Conv1D` (y = x @ weight + bias, weight
+    of shape (in, out), the transpose of nn.Linear's): `apply_pqt` puts it in place of a Conv1D.
+
+    It keeps Conv1D's weight Parameter as it is, so the state dict keeps Conv1D's keys and shapes
+    (a Hugging Face checkpoint loads into it and `remove_pqt` gives the Conv1D back), and samples
+    weight.t(), the (out, in) weight of the equivalent nn.Linear, with that linear's 32x32 tiles:
+    b_i has shape (ceil(out/32), ceil(in/32)) as in GaussWSLinear(in, out). Square tiles anchored
+    at (0, 0) are the same tiles in both layouts, so every tile holds the same weights; only the
+    order in which R is drawn over them differs. Arguments and errors as GaussWSLinear.
+    """
+
+    def forward(self, x):
+        w = self.weight.t()       # the (out, in) view; pqt_linear copies it to a contiguous w
+        if not (self.training or self.sample_in_eval):
+            return F.linear(x, w, self.bias)
+        return pqt_linear(x, w, self.b_t, self.bias, self._next_seed(), method=self.method,
+                          memory=self.memory, impl=self.impl, fused=self.fused)
+
+    def extra_repr(self):
+        return super().extra_repr() + ", Conv1D layout (weight is (in, out))"
+
+
+def _linear_weight(layer):
+    """The (out, in) weight of a PQT layer: its weight, or a view of it for GaussWSConv1D."""
+    return layer.weight.t() if isinstance(layer, GaussWSConv1D) else layer.weight
+
+
 # ==============================================================================================
 # apply_pqt: where PQT is applied ("method[part]" of paper A's experiments)
+
+# Hugging Face names of the papers' parts: Llama-style models (Llama, Mistral, Qwen, ...) and GPT-2
+# (Conv1D layers; c_proj is the attention's out projection or the MLP's down projection)
+HF_PARTS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "out", "gate_proj": "gate",
+            "up_proj": "up", "down_proj": "down", "c_attn": "qkv", "c_fc": "up",
+            "attn.c_proj": "out", "mlp.c_proj": "down"}
+
 
 def _parse_parts(parts):
     """-> list of part names; "all" -> ALL_PARTS (every part this model kind has), "od" -> out, down."""
@@ -1118,55 +1172,212 @@ def _parse_parts(parts):
     return names
 
 
-def apply_pqt(model, method="gaussws", parts="all", b_init=6, b_target=4, seed=0, memory="save",
-              impl="auto", fused=True):
-    """Replace the nn.Linear layers named in `parts` inside `model.blocks` by GaussWSLinear
-    (same weight and bias Parameters, device and dtype). parts: "all" (every part the model has),
-    "od" (out + down) or a comma list of qkv,out,up,down (GPT-2) / q,k,v,out,gate,up,down (Llama);
-    every part named in a list (and both of "od") must exist. Embeddings, norms and the LM head
-    (outside model.blocks) are never sampled. b_init, b_target, seed as in GaussWSLinear; layer
-    seeds come from random.Random(seed) in module order (§3.6 seed generator). `fused` as in
-    GaussWSLinear. Returns the replaced names ("blocks.0.attn.qkv", ...).
+def _part_of(name):
+    """The paper's part name of a module called `name` (its own name here, its Hugging Face name
+    mapped by HF_PARTS), else None."""
+    path = name.split(".")
+    if path[-1] in ALL_PARTS:
+        return path[-1]
+    return HF_PARTS.get(path[-1]) or HF_PARTS.get(".".join(path[-2:]))
+
+
+def _is_conv1d(m):
+    # Hugging Face's transformers.pytorch_utils.Conv1D, recognised without importing transformers
+    return (type(m).__name__ == "Conv1D" and hasattr(m, "nf") and hasattr(m, "nx")
+            and isinstance(getattr(m, "weight", None), nn.Parameter)
+            and tuple(m.weight.shape) == (m.nx, m.nf))
+
+
+def _linears(model):
+    """(name, parent, attribute, module) of every nn.Linear (exactly: subclasses may not call their
+    own forward, e.g. nn.MultiheadAttention's out_proj) and Conv1D in `model`, each place a module
+    sits (a module shared by two parents is listed under both names), in module order."""
+    return [(f"{pname}.{cname}" if pname else cname, parent, cname, child)
+            for pname, parent in model.named_modules()
+            for cname, child in parent.named_children()
+            if type(child) is nn.Linear or _is_conv1d(child)]
+
+
+def _lm_head_ids(model):
+    """ids of the modules apply_pqt treats as the LM head: a linear whose weight is an nn.Embedding's
+    weight (tied, e.g. Hugging Face tie_word_embeddings), the module of Hugging Face's
+    get_output_embeddings(), and any module named lm_head."""
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    ids = {id(child) for name, _, _, child in _linears(model)
+           if id(child.weight) in emb or name.rsplit(".", 1)[-1] == "lm_head"}
+    out = getattr(model, "get_output_embeddings", None)
+    head = out() if callable(out) else None
+    if isinstance(head, nn.Module):
+        ids.add(id(head))
+    return ids
+
+
+def _module_filter(modules):
+    """modules (a glob, a list of globs, or a callable (name, module) -> bool) -> the callable."""
+    if callable(modules):
+        return modules
+    globs = [modules] if isinstance(modules, str) else modules
+    if not (isinstance(globs, (list, tuple)) and globs and all(isinstance(p, str) and p for p in globs)):
+        raise TypeError(f"modules={modules!r}: allowed: a glob on module names (e.g. "
+                        "'model.layers.*.mlp.*'), a non-empty list of globs, or a callable "
+                        "(name, module) -> bool")
+    return lambda name, _: any(fnmatch.fnmatchcase(name, p) for p in globs)
+
+
+def _few(names, k=8):
+    return ", ".join(names[:k]) + (f", ... ({len(names)} in all)" if len(names) > k else "") or "none"
+
+
+def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0, memory="save",
+              impl="auto", fused=True, *, modules=None, lm_head=False):
+    """Replace linear layers of any nn.Module by GaussWSLinear (same weight and bias Parameters,
+    device, dtype and train/eval mode), in place; the torchao.quantize_ / QAT "prepare" step.
+
+    Which layers, by `parts` (the papers' "method[part]"; default "all") or by `modules`:
+      parts: "all" (every part the model has), "od" (out + down) or a comma list of
+        qkv,out,up,down (GPT-2) / q,k,v,out,gate,up,down (Llama). A layer's part is its own name
+        (this repository's GPT) or its Hugging Face name (HF_PARTS): q_proj, k_proj, v_proj,
+        o_proj, gate_proj, up_proj, down_proj (Llama-style) and c_attn, attn.c_proj, c_fc,
+        mlp.c_proj (GPT-2). Every part named in a list (and both of "od") must exist.
+      modules: for any other model, a glob on the full module name (fnmatch: * also matches
+        dots; e.g. "model.layers.*.mlp.*"), a list of globs, or a callable (name, module) ->
+        bool; it is asked about every nn.Linear (and Conv1D) of the model.
+    Only nn.Linear (exactly, not subclasses) and Hugging Face's GPT-2 Conv1D are replaced, the
+    latter by GaussWSConv1D (Conv1D's (in, out) weight, sampled with the equivalent nn.Linear's
+    tiles). Embeddings and norms are never sampled; the LM head (a linear whose weight is an
+    embedding's, i.e. tied; Hugging Face's get_output_embeddings(); a module named lm_head) only
+    with lm_head=True. A module at two places of the model becomes one layer at both.
+    b_init, b_target, seed, memory, impl, fused as in GaussWSLinear; layer seeds come from
+    random.Random(seed) in module order (§3.6 seed generator). Returns the names of the replaced
+    modules ("blocks.0.attn.qkv", "model.layers.0.self_attn.q_proj", ...), in module order.
     Everything is checked before the model is touched. Raises TypeError (model not an nn.Module,
-    seed type, float64 layers) or ValueError (bad arguments; no `blocks`; a named part that the
-    blocks have no nn.Linear for: the message lists the missing parts and the parts present)."""
+    seed or modules type, float64 layers) or ValueError (bad arguments; both parts and modules; a
+    named part the model has no linear for: the message lists the parts present; a filter that
+    selects no layer: the message lists the model's linears)."""
     _check_module(model, "apply_pqt")
     _check_choice("method", method, METHODS)
     _check_choice("memory", memory, MEMORY_MODES)
     _check_choice("impl", impl, IMPLS)
     _check_bits(b_init, b_target)
     _check_seed(seed)
-    wanted = _parse_parts(parts)
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.Module):
-        raise ValueError(f"model {type(model).__name__} has no nn.Module attribute 'blocks' to apply PQT to")
-    found = [(bname, block, cname, child) for bname, block in blocks.named_modules(prefix="blocks")
-             for cname, child in block.named_children() if cname in ALL_PARTS and type(child) is nn.Linear]
-    have = list(dict.fromkeys(c for _, _, c, _ in found))             # in module order
-    found = [f for f in found if f[2] in wanted]
-    missing = [p for p in wanted if p not in have] if parts != "all" else ([] if have else wanted)
-    if missing:
-        done = list(dict.fromkeys(n.rsplit(".", 1)[-1] for n, _ in pqt_layers(blocks)))
-        raise ValueError(f"apply_pqt(parts={parts!r}): no nn.Linear named {', '.join(missing)} inside "
-                         f"model.blocks; its blocks have: {', '.join(have) or 'none'}"
-                         + (f" (already GaussWSLinear: {', '.join(done)})" if done else ""))
-    for bname, _, cname, child in found:
-        _check_dtype(child.weight.dtype, f"{bname}.{cname}.weight")
+    if parts is not None and modules is not None:
+        raise ValueError(f"apply_pqt: give parts={parts!r} or modules={modules!r}, not both")
+    heads = set() if lm_head else _lm_head_ids(model)
+    cands = [c for c in _linears(model) if id(c[3]) not in heads]
+    done = [n for n, _ in pqt_layers(model)]
+    already = f" (already GaussWSLinear: {_few(done)})" if done else ""
+    if modules is None:
+        parts = "all" if parts is None else parts
+        wanted = _parse_parts(parts)
+        have = list(dict.fromkeys(p for p in map(_part_of, (c[0] for c in cands)) if p))
+        missing = [p for p in wanted if p not in have] if parts != "all" else ([] if have else wanted)
+        if missing:
+            raise ValueError(f"apply_pqt(parts={parts!r}): no nn.Linear named {', '.join(missing)} "
+                             f"inside the model; its layers have: {', '.join(have) or 'none'}{already}"
+                             + ("" if have else "; select other layers by name with modules="))
+        found = [c for c in cands if _part_of(c[0]) in wanted]
+    else:
+        keep = _module_filter(modules)
+        found = [c for c in cands if keep(c[0], c[3])]
+        if not found:
+            skipped = [n for n, _, _, m in _linears(model) if id(m) in heads and keep(n, m)]
+            raise ValueError(f"apply_pqt(modules={modules!r}) selects no nn.Linear (only nn.Linear and "
+                             "Conv1D layers are sampled, never embeddings or norms)"
+                             + (f" but the LM head {_few(skipped)} (lm_head=True samples it)" if skipped else "")
+                             + f"; the model's linears: {_few([c[0] for c in cands])}{already}")
+    for name, _, _, child in found:
+        _check_dtype(child.weight.dtype, f"{name}.weight")
     rng = random.Random(seed)
-    replaced = []
-    for bname, block, cname, child in found:
-        layer = GaussWSLinear(child.in_features, child.out_features, bias=child.bias is not None,
-                              method=method, b_init=b_init, b_target=b_target,
-                              seed=rng.getrandbits(62), memory=memory, impl=impl, fused=fused,
-                              device=child.weight.device, dtype=child.weight.dtype)
-        layer.weight = child.weight
-        if child.bias is not None:
-            layer.bias = child.bias
-        layer.train(child.training)
-        layer._name = f"{bname}.{cname}"
-        setattr(block, cname, layer)
-        replaced.append(f"{bname}.{cname}")
+    new, replaced = {}, []
+    for name, parent, cname, child in found:
+        if id(child) not in new:
+            conv = _is_conv1d(child)
+            n_in, n_out = (child.nx, child.nf) if conv else (child.in_features, child.out_features)
+            layer = (GaussWSConv1D if conv else GaussWSLinear)(
+                n_in, n_out, bias=child.bias is not None, method=method, b_init=b_init,
+                b_target=b_target, seed=rng.getrandbits(62), memory=memory, impl=impl, fused=fused,
+                device=child.weight.device, dtype=child.weight.dtype)
+            layer.weight = child.weight
+            if child.bias is not None:
+                layer.bias = child.bias
+            layer.train(child.training)
+            layer._name, layer.plain_type = name, type(child)
+            new[id(child)] = layer
+            replaced.append(name)
+        setattr(parent, cname, new[id(child)])
     return replaced
+
+
+def _format_of(cast):
+    """remove_pqt's cast -> None, "tiers" or (exp_bits, man_bits); ValueError otherwise."""
+    if cast is None or cast == "tiers":
+        return cast
+    m = re.fullmatch(r"e(\d)m(\d+)", cast) if isinstance(cast, str) else None
+    if m is None:
+        raise ValueError(f"cast={cast!r}: allowed: None (weights as they are), 'tiers' (each tile "
+                         "to its Table C format) or an FP format 'e<exponent bits>m<mantissa bits>' "
+                         "such as 'e3m4' or 'e2m3'")
+    fmt = int(m.group(1)), int(m.group(2))
+    try:
+        cast_fp(torch.zeros(1), *fmt)      # the formats cast_fp (and so cast_tiles) takes
+    except ValueError as e:
+        raise ValueError(f"cast={cast!r}: {e}") from None
+    return fmt
+
+
+def _hf_conv1d():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        raise ImportError("remove_pqt: turning a GaussWSConv1D back into a Conv1D needs Hugging Face "
+                          "transformers (pip install transformers)") from None
+    return Conv1D
+
+
+@torch.no_grad()
+def remove_pqt(model, cast=None):
+    """Undo apply_pqt in place: every GaussWSLinear becomes a plain nn.Linear (a GaussWSConv1D the
+    Conv1D it replaced) holding the same weight and bias Parameters, without b_i and noise_state,
+    so the model and its state dict are used without this library (TorchAO's QAT "convert").
+    cast: None keeps the trained weights w; "tiers" first casts every tile of w to the Table C
+    format of its bitwidth (`cast_to_tiers`); "eXmY" (e.g. "e3m4", "e2m3", as the CAST_SWEEP of
+    the cast sweep) casts every tile to that FP format with its own power-of-two scale
+    (`cast_tiles`). The weights stay in their dtype (the cast values are exact in it). The model
+    keeps its train/eval mode; an optimizer made before still holds the removed b_i.
+    From a PQT checkpoint: build the model, apply_pqt with the same arguments, load_state_dict,
+    then remove_pqt. Returns the names of the layers replaced, in module order.
+    Raises TypeError (model not an nn.Module), ValueError (cast not one of those; a model
+    without GaussWSLinear layers)."""
+    _check_module(model, "remove_pqt")
+    fmt = _format_of(cast)
+    layers = pqt_layers(model)
+    if not layers or isinstance(model, GaussWSLinear):
+        raise ValueError(f"remove_pqt: model {type(model).__name__} has no GaussWSLinear layer"
+                         + (" inside it (it is one: put it in a module)" if layers else ""))
+    if fmt == "tiers":
+        cast_to_tiers(model)
+    elif fmt is not None:
+        for _, layer in layers:
+            w = _linear_weight(layer)
+            w.copy_(cast_tiles(w, *fmt))
+    plain, removed = {}, []
+    for pname, parent in list(model.named_modules()):
+        for cname, child in list(parent.named_children()):
+            if not isinstance(child, GaussWSLinear):
+                continue
+            if id(child) not in plain:
+                cls = getattr(child, "plain_type", None) or (_hf_conv1d() if isinstance(child, GaussWSConv1D)
+                                                             else nn.Linear)
+                with torch.device("meta"):       # no weights allocated: the layer's own go in
+                    p = (cls(child.out_features, child.in_features) if isinstance(child, GaussWSConv1D)
+                         else cls(child.in_features, child.out_features, bias=child.bias is not None))
+                p.weight = child.weight
+                p.bias = child.bias
+                p.train(child.training)
+                plain[id(child)] = p
+                removed.append(f"{pname}.{cname}" if pname else cname)
+            setattr(parent, cname, plain[id(child)])
+    return removed
 
 
 def pqt_layers(model):
@@ -1314,7 +1525,7 @@ def cast_to_tiers(model):
     GaussWSLinear layer: there is no share of no parameters)."""
     counts = {name: 0 for _, name, _, _ in FP_TIERS} | {">FP16": 0}
     for _, layer in pqt_layers(model):
-        w = layer.weight
+        w = _linear_weight(layer)
         m, n = w.shape
         bt = _tile_grid_of(layer.b_t.detach().clamp(B_MIN, B_MAX), m, n)
         out, lo = w.detach().clone(), -math.inf

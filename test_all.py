@@ -1739,7 +1739,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.apply_pqt(_gpt2_like(), parts="qkv,attn")
     with pytest.raises(ValueError, match="no nn.Linear named"):
         g.apply_pqt(_gpt2_like(), parts="gate")
-    with pytest.raises(ValueError, match="no nn.Module attribute 'blocks'"):
+    with pytest.raises(ValueError, match="its layers have: none; select other layers by name with modules="):
         g.apply_pqt(nn.Sequential(nn.Linear(3, 3)))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -1780,7 +1780,7 @@ def test_b_target_above_b_init_is_rejected_and_equal_is_fixed_bitwidth():
 
 
 def _have(msg):
-    return set(re.search(r"its blocks have: ([a-z, ]+)", msg).group(1).split(", "))
+    return set(re.search(r"its layers have: ([a-z, ]+)", msg).group(1).split(", "))
 
 
 @pytest.mark.parametrize("kind,parts,missing,have", [
