@@ -716,6 +716,96 @@ def test_state_dict_round_trip_with_custom_codebook_tensors():
 
 
 # ---------------------------------------------------------------------------------------------
+# per-group FP32 states (quantize=False) and torch.compile'd models
+
+def _head_groups(m, quantize):
+    """_mlp's first layer in a group with the given quantize flag, the rest in a default group."""
+    return [dict(params=list(m[0].parameters()), quantize=quantize), dict(params=list(m[2].parameters()))]
+
+
+def test_group_quantize_false_keeps_fp32_states_and_resume_keeps_the_policy():
+    m_ref = _mlp()
+    o_ref = A.AdamW4bit(_head_groups(m_ref, False), lr=1e-2, seed=3)
+    _train(m_ref, o_ref, 4)
+    # the group's tensors have FP32 states although 8192-element m[0].weight is eligible
+    assert o_ref.state[m_ref[0].weight]["exp_avg"].dtype == torch.float32
+    assert not o_ref.is_quantized(m_ref[0].weight) and o_ref.is_quantized(m_ref[2].weight)
+    assert o_ref.state[m_ref[2].weight]["exp_avg"].dtype == torch.uint8
+    nbytes = 8 * m_ref[0].weight.numel() + 1.0625 * m_ref[2].weight.numel() + 8 * (128 + 64)
+    assert o_ref.state_nbytes() == nbytes
+    # with quantize=False the group takes the FP32 AdamW step: the same as preset "fp32" for it
+    m_fp = _mlp()
+    o_fp = A.AdamW4bit([dict(params=list(m_fp[0].parameters())),
+                        dict(params=list(m_fp[2].parameters()), lr=0.0, weight_decay=0.0)],
+                       lr=1e-2, preset="fp32")
+    m1 = _mlp()
+    o1 = A.AdamW4bit([dict(params=list(m1[0].parameters()), quantize=False),
+                      dict(params=list(m1[2].parameters()), lr=0.0, weight_decay=0.0)], lr=1e-2)
+    _train(m_fp, o_fp, 4)
+    _train(m1, o1, 4)
+    assert torch.equal(m_fp[0].weight, m1[0].weight)
+    # resume: an optimizer built without the option adopts the saved policy from the state dict
+    m1, o1 = _mlp(), None
+    o1 = A.AdamW4bit(_head_groups(m1, False), lr=1e-2, seed=3)
+    _train(m1, o1, 2)
+    sd = o1.state_dict()
+    assert [gr["quantize"] for gr in sd["param_groups"]] == [False, True]
+    buf = io.BytesIO()
+    torch.save({"model": m1.state_dict(), "opt": sd}, buf)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    m2 = _mlp(seed=9)
+    m2.load_state_dict(ck["model"])
+    o2 = A.AdamW4bit(_head_groups(m2, True), lr=1e-2)
+    o2.load_state_dict(ck["opt"])
+    assert o2.param_groups[0]["quantize"] is False and not o2.is_quantized(m2[0].weight)
+    g = torch.Generator().manual_seed(0)       # _train's data stream, continued from step 2
+    teacher = torch.randn(64, 64, generator=g) / 8
+    for _ in range(2):
+        torch.randn(256, 64, generator=g)
+    for _ in range(2):
+        X = torch.randn(256, 64, generator=g)
+        o2.zero_grad()
+        ((m2(X) - torch.tanh(X @ teacher)) ** 2).mean().backward()
+        o2.step()
+    for a, b in zip(m_ref.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_group_quantize_flag_is_checked():
+    m = _mlp()
+    with pytest.raises(TypeError, match=r"param group 0: quantize must be True .* got 'no'"):
+        A.AdamW4bit([dict(params=m.parameters(), quantize="no")])
+    o = A.AdamW4bit(_head_groups(m, True), lr=1e-2)
+    _train(m, o, 1)
+    o.param_groups[0]["quantize"] = False       # after the first step: the states are 4-bit
+    with pytest.raises(ValueError, match=r"has 4-bit states but its param group now says quantize=False"):
+        _train(m, o, 1)
+    with pytest.raises(ValueError, match="not a parameter of this optimizer"):
+        o.is_quantized(torch.zeros(3))
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None and not torch.cuda.is_available(),
+                    reason="Inductor on CPU needs a C++ compiler")
+def test_compiled_model_trains_with_adamw4bit():
+    """A torch.compile'd model's parameters are the module's own: AdamW4bit (4-bit states on the
+    eligible tensors) trains it as it trains the eager model."""
+    eager, comp = _mlp(), _mlp()
+    cm = torch.compile(comp)
+    o_e = A.AdamW4bit(eager.parameters(), lr=1e-2, impl="torch")
+    o_c = A.AdamW4bit(cm.parameters(), lr=1e-2, impl="torch")
+    start = _train(eager, torch.optim.SGD(eager.parameters(), lr=0.0), 1)
+    loss_e, loss_c = _train(eager, o_e, 6), _train(cm, o_c, 6)
+    assert loss_c < 0.8 * start and o_c.state[comp[0].weight]["exp_avg"].dtype == torch.uint8
+    # compiled kernels round differently from eager ones (~1e-7 here): a 4-bit code may then
+    # flip, which moves its weight by at most ~lr per step (the max bound), but the typical
+    # weight stays within rounding of the eager run's (the median bound; the steps move 1e-2)
+    assert abs(loss_c - loss_e) < 0.02 * start
+    for a, b in zip(eager.parameters(), comp.parameters()):
+        assert (a - b).abs().max().item() < 6 * 1e-2 and (a - b).abs().median().item() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
 # the fused Triton step = the reference step (TRITON_INTERPRET=1 on CPU; GPU-only tests at the end)
 
 # multiples of 128 but not of the kernel's 8 x 128 elements per program, and a tensor left FP32
