@@ -1194,7 +1194,7 @@ def _linears(model):
     sits (a module shared by two parents is listed under both names), in module order."""
     return [(f"{pname}.{cname}" if pname else cname, parent, cname, child)
             for pname, parent in model.named_modules()
-            for cname, child in parent.named_children()
+            for cname, child in parent._modules.items()    # named_children() lists a module once
             if type(child) is nn.Linear or _is_conv1d(child)]
 
 
@@ -1362,7 +1362,7 @@ def remove_pqt(model, cast=None):
             w.copy_(cast_tiles(w, *fmt))
     plain, removed = {}, []
     for pname, parent in list(model.named_modules()):
-        for cname, child in list(parent.named_children()):
+        for cname, child in list(parent._modules.items()):
             if not isinstance(child, GaussWSLinear):
                 continue
             if id(child) not in plain:

@@ -745,7 +745,7 @@ def test_group_quantize_false_keeps_fp32_states_and_resume_keeps_the_policy():
     _train(m1, o1, 4)
     assert torch.equal(m_fp[0].weight, m1[0].weight)
     # resume: an optimizer built without the option adopts the saved policy from the state dict
-    m1, o1 = _mlp(), None
+    m1 = _mlp()
     o1 = A.AdamW4bit(_head_groups(m1, False), lr=1e-2, seed=3)
     _train(m1, o1, 2)
     sd = o1.state_dict()
@@ -2122,6 +2122,313 @@ def test_cast_to_tiers_uses_each_tiles_clamped_b_t():
         sl = (slice(32 * r, 32 * r + 32), slice(32 * c, 32 * c + 32))
         assert torch.equal(w[sl], g.cast_tiles(w0[sl], e, m)) and not torch.equal(w[sl], w0[sl])
     assert torch.equal(w[32:, 32:], w0[32:, 32:])
+
+
+# ---------------------------------------------------------------------------------------------
+# any model: apply_pqt by name, GPT-2's Conv1D, remove_pqt, plain checkpoints; Hugging Face models
+
+def test_apply_pqt_by_modules_glob_list_and_callable():
+    assert g.apply_pqt(_gpt2_like(), modules="blocks.*.mlp.*") == [
+        "blocks.0.mlp.up", "blocks.0.mlp.down", "blocks.1.mlp.up", "blocks.1.mlp.down"]
+    assert g.apply_pqt(_gpt2_like(), modules=["blocks.0.attn.qkv", "*.down"]) == [
+        "blocks.0.attn.qkv", "blocks.0.mlp.down", "blocks.1.mlp.down"]
+    m = _gpt2_like()
+    asked = []
+    names = g.apply_pqt(m, modules=lambda n, mod: asked.append(n) or mod.out_features == 96)
+    assert names == ["blocks.0.attn.qkv", "blocks.0.mlp.up", "blocks.1.attn.qkv", "blocks.1.mlp.up"]
+    assert "lm_head" not in asked and "wte" not in asked and len(asked) == 8   # linears only, no head
+    seq = nn.Sequential(nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 8))
+    assert g.apply_pqt(seq, modules="*") == ["0", "2"]
+    assert all(type(seq[i]) is g.GaussWSLinear for i in (0, 2))
+    shared = nn.Linear(40, 40)
+    two = nn.Sequential(shared, nn.ReLU(), shared)      # one module at two places: one layer at both
+    assert g.apply_pqt(two, modules="*") == ["0"] and two[0] is two[2] and two[0].weight is shared.weight
+    m = _gpt2_like()
+    for kw, err, msg in ((dict(modules="nothing*"), ValueError,
+                          r"modules='nothing\*'\) selects no nn.Linear .*the model's linears: blocks.0.attn.qkv, "),
+                         (dict(modules="wte"), ValueError, "never embeddings or norms"),
+                         (dict(modules=3), TypeError, "modules=3: allowed: a glob"),
+                         (dict(modules=[]), TypeError, r"modules=\[\]"),
+                         (dict(modules="*", parts="od"), ValueError, "not both"),
+                         (dict(modules="lm_head"), ValueError, r"but the LM head lm_head \(lm_head=True samples it\)")):
+        with pytest.raises(err, match=msg):
+            g.apply_pqt(m, **kw)
+        assert _untouched(m)
+    assert g.apply_pqt(m, modules="lm_head", lm_head=True) == ["lm_head"]
+    with pytest.raises(ValueError, match=r"already GaussWSLinear: lm_head"):
+        g.apply_pqt(m, modules="lm_head", lm_head=True)
+
+
+class _TiedLM(nn.Module):
+    """An embedding, a hidden linear, an output linear tied to the embedding (named `proj`, not
+    lm_head) and an untied extra head reported by get_output_embeddings, as Hugging Face does."""
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.hidden = nn.Linear(32, 32)
+        self.proj = nn.Linear(32, 64, bias=False)
+        self.proj.weight = self.emb.weight
+        self.head2 = nn.Linear(32, 64, bias=False)
+
+    def get_output_embeddings(self):
+        return self.head2
+
+
+def test_apply_pqt_never_samples_a_tied_or_output_head_unless_asked():
+    m = _TiedLM()
+    assert g.apply_pqt(m, modules="*") == ["hidden"]
+    assert type(m.proj) is nn.Linear and type(m.head2) is nn.Linear
+    m = _TiedLM()
+    assert g.apply_pqt(m, modules="*", lm_head=True) == ["hidden", "proj", "head2"]
+    assert m.proj.weight is m.emb.weight            # still tied: the embedding reads w, the head w_hat
+
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's Conv1D as transformers defines it (nf outputs, nx inputs, weight
+    (nx, nf), y = x @ weight + bias), here so the test runs without transformers."""
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, self.nx), self.weight).view(*x.shape[:-1], self.nf)
+
+
+def test_conv1d_is_sampled_as_its_transposed_linear_with_the_same_tiles():
+    torch.manual_seed(31)
+    m = nn.Sequential(Conv1D(70, 45))                 # 45 -> 70, weight (45, 70)
+    w = m[0].weight
+    x = torch.randn(3, 5, 45)
+    m.eval()
+    y_plain = m(x)
+    assert g.apply_pqt(m, modules="*") == ["0"]
+    conv = m[0]
+    assert type(conv) is g.GaussWSConv1D and conv.weight is w and conv.b_i.shape == (3, 2)
+    assert torch.equal(m(x), y_plain)                 # eval: the plain Conv1D product
+    # training: exactly GaussWSLinear(45, 70) holding w.t(), with the same b_i and noise_state
+    lin = g.GaussWSLinear(45, 70)
+    with torch.no_grad():
+        conv.b_i.uniform_(0.2, 1.0)
+        lin.weight.copy_(w.t())
+        lin.bias.copy_(conv.bias)
+        lin.b_i.copy_(conv.b_i)
+        lin.noise_state.copy_(conv.noise_state)
+    m.train()
+    y_conv, y_lin = m(x), lin(x)
+    assert torch.equal(y_conv, y_lin) and not torch.equal(y_conv, y_plain)
+    (y_conv * y_lin.detach()).sum().backward()
+    (y_lin * y_conv.detach()).sum().backward()
+    assert torch.equal(conv.weight.grad, lin.weight.grad.t()) and torch.equal(conv.b_i.grad, lin.b_i.grad)
+    assert g.bitwidth_stats(m)["0"]["params"] == 45 * 70
+    m.eval()
+    y_pqt = m(x)
+    assert g.remove_pqt(m) == ["0"]
+    assert type(m[0]) is Conv1D and m[0].weight is w and torch.equal(m(x), y_pqt)
+
+
+def _set_random_bitwidths(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in g.pqt_layers(model):
+            layer.b_i.copy_(torch.rand(layer.b_i.shape, generator=gen) * 1.5 - 0.5)   # b_t in [3, 7]
+
+
+def test_remove_pqt_gives_plain_layers_with_the_same_eval_outputs_and_casts():
+    torch.manual_seed(32)
+    plain = _gpt2_like()
+    keys = sorted(plain.state_dict())
+    x = torch.randn(2, 5, 32)
+    for cast in (None, "tiers", "e3m4", "e2m3"):
+        m = _gpt2_like()
+        m.load_state_dict(plain.state_dict())
+        g.apply_pqt(m, seed=4)
+        _set_random_bitwidths(m)
+        w0 = {n: l.weight.detach().clone() for n, l in g.pqt_layers(m)}
+        params = {n: (l.weight, l.bias) for n, l in g.pqt_layers(m)}
+        m.eval()
+        if cast == "tiers":
+            ref = _gpt2_like()
+            ref.load_state_dict(m.state_dict(), strict=False)
+            g.apply_pqt(ref, seed=4)
+            ref.load_state_dict(m.state_dict())
+            g.cast_to_tiers(ref)
+            y_ref = ref.eval()(x)
+        else:
+            y_ref = m(x) if cast is None else None
+        names = g.remove_pqt(m, cast=cast)
+        assert names == list(w0) and not g.pqt_layers(m) and not m.training
+        for n in names:
+            layer = m.get_submodule(n)
+            assert type(layer) is nn.Linear and (layer.weight, layer.bias) == params[n]
+            if cast is None:
+                assert torch.equal(layer.weight, w0[n])
+            elif cast != "tiers":
+                e, mb = int(cast[1]), int(cast[3])
+                assert torch.equal(layer.weight, g.cast_tiles(w0[n], e, mb))
+        if y_ref is not None:
+            assert torch.equal(m(x), y_ref)
+        assert sorted(m.state_dict()) == keys
+        fresh = _gpt2_like()
+        fresh.load_state_dict(m.state_dict())          # strict: the state dict of the plain model
+        assert torch.equal(fresh.eval()(x), m(x))
+    m = _gpt2_like()
+    with pytest.raises(ValueError, match="has no GaussWSLinear layer"):
+        g.remove_pqt(m)
+    g.apply_pqt(m)
+    for cast, msg in (("fp8", r"cast='fp8': allowed: None .*'e3m4'"), ("e9m2", r"cast='e9m2': cast_fp: exp_bits=9"),
+                      (4, "cast=4: allowed")):
+        with pytest.raises(ValueError, match=msg):
+            g.remove_pqt(m, cast=cast)
+    assert len(g.pqt_layers(m)) == 8 and m.training      # untouched by the refused calls
+    with pytest.raises(ValueError, match="it is one: put it in a module"):
+        g.remove_pqt(g.GaussWSLinear(8, 8))
+
+
+def test_plain_checkpoint_loads_into_a_pqt_model_as_at_construction():
+    torch.manual_seed(33)
+    plain = _gpt2_like()
+    x = torch.randn(2, 5, 32)
+    m = _gpt2_like()
+    g.apply_pqt(m, seed=8)
+    fresh = {n: l.noise_state.clone() for n, l in g.pqt_layers(m)}
+    m(x).sum().backward()                             # advance the call counters
+    _set_random_bitwidths(m)
+    assert not m.load_state_dict(plain.state_dict()).missing_keys      # strict=True
+    for n, l in g.pqt_layers(m):
+        assert torch.equal(l.b_i, torch.ones_like(l.b_i)) and torch.equal(l.noise_state, fresh[n])
+        assert torch.equal(l.weight, plain.get_submodule(n).weight)
+    assert torch.equal(m.eval()(x), plain.eval()(x))
+    # a PQT checkpoint that lost only b_i is not a plain one: strict loading names the key
+    sd = {k: v for k, v in m.state_dict().items() if k != "blocks.0.attn.qkv.b_i"}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*blocks.0.attn.qkv.b_i"):
+        m.load_state_dict(sd)
+
+
+def _hf(kind, tie=False):
+    """A tiny randomly initialised Hugging Face model built from a config (no download): byte
+    vocabulary, 2 layers of width 64."""
+    tf = pytest.importorskip("transformers", reason="Hugging Face tests need transformers "
+                                                   "(pip install transformers accelerate)")
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=tie)
+        return tf.LlamaForCausalLM(cfg)
+    cfg = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)   # no dropout RNG
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def _text_rows(n, T=64):
+    """n real-text rows of T bytes (argparse's source, present everywhere), in a fixed order."""
+    data = torch.tensor(list(open(argparse.__file__, "rb").read()[:n * T]), dtype=torch.long)
+    return data.view(n, T)
+
+
+def test_hf_llama_and_gpt2_parts_conv1d_and_tied_heads():
+    m = _hf("llama")
+    names = g.apply_pqt(m, parts="all")
+    per = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert names == [f"model.layers.{i}.{p}" for i in range(2) for p in per]
+    assert type(m.lm_head) is nn.Linear and type(m.model.embed_tokens) is nn.Embedding
+    assert g.apply_pqt(_hf("llama"), parts="od") == [f"model.layers.{i}.{p}" for i in range(2)
+                                                     for p in ("self_attn.o_proj", "mlp.down_proj")]
+    with pytest.raises(ValueError, match=r"no nn.Linear named qkv .*have: q, k, v, out, gate, up, down"):
+        g.apply_pqt(_hf("llama"), parts="qkv")
+    tied = _hf("llama", tie=True)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert g.apply_pqt(tied, modules="*") == names      # the tied head is left out
+    assert type(tied.lm_head) is nn.Linear
+    gpt2 = _hf("gpt2")
+    names = g.apply_pqt(gpt2, parts="all")
+    per = ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+    assert names == [f"transformer.h.{i}.{p}" for i in range(2) for p in per]
+    assert all(type(l) is g.GaussWSConv1D for _, l in g.pqt_layers(gpt2))
+    assert gpt2.transformer.h[0].mlp.c_fc.b_i.shape == (8, 2)          # 64 -> 256: (256/32, 64/32)
+    assert g.apply_pqt(_hf("gpt2"), parts="od") == [f"transformer.h.{i}.{p}" for i in range(2)
+                                                    for p in ("attn.c_proj", "mlp.c_proj")]
+
+
+def _hf_optimizer(m, lr=3e-3):
+    """ZIP-SR 4-bit states, with the embeddings and the LM head in an FP32-state group."""
+    head = [m.get_input_embeddings().weight, m.get_output_embeddings().weight]
+    head = list({id(p): p for p in head}.values())
+    rest = [p for p in m.parameters() if all(p is not h for h in head)]
+    return A.AdamW4bit([dict(params=head, quantize=False), dict(params=rest)], lr=lr, preset="zipsr")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hf_gaussws_zipsr_lowers_the_loss_on_real_text(kind):
+    m = _hf(kind)
+    g.apply_pqt(m, parts="all", seed=1)
+    opt = _hf_optimizer(m)
+    rows, gen = _text_rows(400), torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(30):
+        x = rows[torch.randint(0, len(rows), (8,), generator=gen)]
+        loss = m(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    # from ln(256) = 5.5 at random init; byte statistics alone give ~3 nats within 30 steps
+    assert losses[0] > 5.0 and sum(losses[-5:]) / 5 < 0.7 * losses[0]
+    w = m.model.layers[0].mlp.up_proj.weight if kind == "llama" else m.transformer.h[0].mlp.c_fc.weight
+    assert opt.state[w]["exp_avg"].dtype == torch.uint8
+    assert opt.state[m.get_input_embeddings().weight]["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_hf_state_dict_round_trip_and_remove_pqt(kind):
+    plain_keys = sorted(_hf(kind).state_dict())
+    m = _hf(kind)
+    g.apply_pqt(m, seed=2)
+    _set_random_bitwidths(m)
+    x = _text_rows(4)
+    m(input_ids=x, labels=x).loss.backward()         # the call counters move on
+    sd = m.state_dict()
+    m2 = _hf(kind)
+    g.apply_pqt(m2, seed=99)                          # keys and counters come from the state dict
+    m2.load_state_dict(sd)
+    assert torch.equal(m(input_ids=x).logits, m2(input_ids=x).logits)      # training: same noise
+    m.eval()
+    y = m(input_ids=x).logits
+    assert g.remove_pqt(m) == [n for n, _ in g.pqt_layers(m2)]
+    assert torch.equal(m(input_ids=x).logits, y) and sorted(m.state_dict()) == plain_keys
+    plain = _hf(kind)
+    plain.load_state_dict(m.state_dict())             # strict: a plain Hugging Face state dict
+    assert torch.equal(plain.eval()(input_ids=x).logits, y)
+    back = _hf(kind)
+    g.apply_pqt(back)
+    back.load_state_dict(plain.state_dict())          # and a plain checkpoint loads into PQT
+    assert torch.equal(back.eval()(input_ids=x).logits, y)
+
+
+def test_hf_trainer_with_adamw4bit_and_an_lr_schedule(tmp_path):
+    tf = pytest.importorskip("transformers", reason="the Trainer test needs transformers and accelerate")
+    m = _hf("llama")
+    g.apply_pqt(m, seed=3)
+    opt = _hf_optimizer(m, lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 10)
+    rows = _text_rows(128)
+    args = tf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=8,
+                                logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                                disable_tqdm=True, seed=0)
+    trainer = tf.Trainer(model=m, args=args, train_dataset=[dict(input_ids=r, labels=r) for r in rows],
+                         optimizers=(opt, sched))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0]
+    assert getattr(trainer.optimizer, "optimizer", trainer.optimizer) is opt
+    assert opt.param_groups[1]["lr"] == pytest.approx(1e-2 * (1 - 8 / 10))
+    w = m.model.layers[1].self_attn.q_proj.weight
+    assert opt.state[w]["step"] == 8 and opt.state[w]["exp_avg"].dtype == torch.uint8
+    assert opt.state[m.lm_head.weight]["exp_avg"].dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
