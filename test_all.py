@@ -3822,3 +3822,31 @@ def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
     (tmp_path / "mystery.json").write_text("{}")
     experiments.main(["plots", str(tmp_path / "mystery.json")])
     assert "no plot for" in capsys.readouterr().out
+
+
+# =============================================================================================
+# finetune_hf.py: the Hugging Face example (needs transformers and accelerate)
+
+def test_finetune_hf_example_writes_a_plain_model_that_loads_without_this_repo(tmp_path, monkeypatch, capsys):
+    tf = pytest.importorskip("transformers", reason="finetune_hf.py needs transformers and accelerate")
+    import finetune_hf
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")        # main leaves the test's thread count alone
+    text = tmp_path / "corpus.txt"
+    text.write_text(open(argparse.__file__, encoding="utf-8").read()[:40000], encoding="utf-8")
+    out = tmp_path / "plain"
+    before, after = finetune_hf.main(["--text", str(text), "--max_steps", "3", "--batch_size", "2",
+                                      "--block_size", "32", "--cast", "e3m4", "--out", str(out)])
+    assert before < math.log(256) and math.isfinite(after)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(out))
+    assert not [k for k in model.state_dict() if k.endswith(("b_i", "noise_state"))]
+    assert not g.pqt_layers(model)
+    # every sampled weight holds e3m4 values, tile by tile; the embedding is as trained
+    w = model.model.layers[0].mlp.up_proj.weight.detach()
+    assert torch.equal(g.cast_tiles(w, 3, 4), w)
+    assert not torch.equal(g.cast_tiles(model.model.embed_tokens.weight.detach(), 3, 4),
+                           model.model.embed_tokens.weight)
+    for argv, msg in ((["--cast", "fp8"], "--cast 'fp8'"), (["--max_steps", "0"], "--max_steps 0"),
+                      ([], "no such file")):
+        with pytest.raises(SystemExit):
+            finetune_hf.parse_args(["--text", str(text) if argv else "/no/such.txt", *argv])
+        assert msg in capsys.readouterr().err

@@ -1,0 +1,146 @@
+"""
+Fine-tune a Hugging Face causal LM on a text file with GaussWS PQT (paper A) and ZIP-SR 4-bit AdamW
+states (paper B) through the Hugging Face Trainer, then hand back a plain model (remove_pqt) that
+loads with `from_pretrained` and no code of this repository.
+
+    python finetune_hf.py --text corpus.txt                  # tiny Llama from a config, bytes; CPU, ~1 min
+    python finetune_hf.py --model HuggingFaceTB/SmolLM2-135M --text corpus.txt --max_steps 2000 \
+        --block_size 512 --lr 3e-4 --cast tiers --out smollm-pqt           # a real model, on a GPU
+
+Needs `pip install transformers accelerate` (optional for the rest of the repository). The steps:
+apply_pqt samples the Llama-style projections (q/k/v/o, gate/up/down); the embeddings and the LM
+head keep FP32 optimizer states (a param group with quantize=False), everything else gets 4-bit
+states; weight decay on b_i pulls each tile's bitwidth from --b_init toward --b_target (eq. 11).
+At the end the validation loss is measured with the trained weights, and again after the weights
+are cast to --cast (each tile to its Table C format, or one FP format such as e3m4).
+"""
+import argparse
+import math
+import os
+import re
+import time
+
+import torch
+
+import gaussws
+from adam4bit import AdamW4bit, PRESETS
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--text", required=True, help="a UTF-8 text file to fine-tune on (the last 5 %% is validation)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model name or local path; default: a tiny Llama built from a config, byte tokens")
+    p.add_argument("--out", default=None, help="folder for the plain model (save_pretrained) and its tokenizer")
+    p.add_argument("--method", default="gaussws", choices=gaussws.METHODS)
+    p.add_argument("--parts", default="all", help="'all', 'od' or a list such as 'q,k,v,out' (gaussws.apply_pqt)")
+    p.add_argument("--b_init", type=float, default=6.0)
+    p.add_argument("--b_target", type=float, default=4.0)
+    p.add_argument("--bits_wd", type=float, default=0.1, help="weight decay on b_i")
+    p.add_argument("--optim", default="zipsr", choices=sorted(PRESETS))
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--max_steps", type=int, default=100)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--block_size", type=int, default=128, help="tokens per training window")
+    p.add_argument("--cast", default="tiers", help="'none', 'tiers' or an FP format such as e3m4 (remove_pqt)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not os.path.isfile(args.text):
+        p.error(f"--text {args.text!r}: no such file")
+    for name in ("max_steps", "batch_size", "block_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: must be >= 1")
+    args.cast = None if args.cast == "none" else args.cast
+    if args.cast not in (None, "tiers") and not re.fullmatch(r"e[1-8]m\d+", args.cast):
+        p.error(f"--cast {args.cast!r}: allowed: none, tiers or an FP format eXmY such as e3m4")
+    return args
+
+
+def load_model(args, tf):
+    """(model, tokenizer or None): the --model checkpoint, or a tiny Llama from a config (random
+    weights, 256 byte tokens) when --model is not given."""
+    if args.model is not None:
+        tok = tf.AutoTokenizer.from_pretrained(args.model)
+        return tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), tok
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.block_size)
+    return tf.LlamaForCausalLM(cfg), None
+
+
+def windows(args, tok):
+    """(train, val): lists of {"input_ids", "labels"} windows of block_size tokens of --text; the
+    model shifts the labels itself."""
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    ids = tok(text)["input_ids"] if tok is not None else list(text.encode("utf-8"))
+    ids = torch.tensor(ids, dtype=torch.long)
+    n = len(ids) // args.block_size
+    if n < 2:
+        raise SystemExit(f"--text {args.text!r}: {len(ids)} tokens, fewer than two windows of "
+                         f"--block_size {args.block_size}")
+    rows = [dict(input_ids=r, labels=r) for r in ids[:n * args.block_size].view(n, args.block_size)]
+    n_val = max(1, n // 20)
+    return rows[:-n_val], rows[-n_val:]
+
+
+def optimizer(args, model):
+    """AdamW4bit groups: the embeddings and LM head with FP32 states, b_i with bits_wd, the rest
+    4-bit (only tensors of >= 4096 elements and a multiple of 128 are quantized)."""
+    heads = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    fp32, bits, rest = [], [], []
+    for name, p in model.named_parameters():
+        (fp32 if id(p) in heads else bits if name.endswith("b_i") else rest).append(p)
+    groups = [dict(params=fp32, quantize=False), dict(params=bits, weight_decay=args.bits_wd),
+              dict(params=rest)]
+    return AdamW4bit([g for g in groups if g["params"]], lr=args.lr, weight_decay=args.weight_decay,
+                     preset=args.optim, seed=args.seed)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        import transformers as tf
+    except ImportError:
+        raise SystemExit("finetune_hf.py needs Hugging Face transformers: pip install transformers accelerate")
+    tf.set_seed(args.seed)
+    if not torch.cuda.is_available() and not os.environ.get("OMP_NUM_THREADS"):
+        # the cores less one: OpenMP threads wait for each other at the end of every op, so one
+        # thread descheduled by another busy process stalls them all (train.py does the same)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    model, tok = load_model(args, tf)
+    train, val = windows(args, tok)
+    replaced = gaussws.apply_pqt(model, method=args.method, parts=args.parts, b_init=args.b_init,
+                                 b_target=args.b_target, seed=args.seed)
+    print(f"PQT on {len(replaced)} layers ({replaced[0]}, ...); {len(train)} train / {len(val)} val windows")
+    opt = optimizer(args, model)
+    warmup = max(1, args.max_steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(      # linear warmup, then cosine to 10 %
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(1.0, s / args.max_steps))))
+    targs = tf.TrainingArguments(output_dir=args.out or "out-finetune-hf", max_steps=args.max_steps,
+                                 per_device_train_batch_size=args.batch_size, logging_steps=max(1, args.max_steps // 10),
+                                 save_strategy="no", report_to="none", seed=args.seed, disable_tqdm=True,
+                                 bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
+    trainer = tf.Trainer(model=model, args=targs, train_dataset=train, eval_dataset=val,
+                         optimizers=(opt, sched))
+    t0 = time.time()
+    trainer.train()
+    before = trainer.evaluate()["eval_loss"]
+    stats = gaussws.bitwidth_stats(model)["all"]
+    print(f"trained {args.max_steps} steps in {time.time() - t0:.0f} s; val loss {before:.4f}; "
+          f"b_t mean {stats['mean']:.2f} (min {stats['min']:.2f}, max {stats['max']:.2f}), "
+          f"optimizer states {opt.state_nbytes() / 2 ** 20:.2f} MiB")
+    gaussws.remove_pqt(model, cast=args.cast)
+    after = trainer.evaluate()["eval_loss"]
+    print(f"plain model, weights cast to {args.cast or 'nothing'}: val loss {after:.4f} ({after - before:+.4f})")
+    if args.out:
+        model.save_pretrained(args.out)
+        if tok is not None:
+            tok.save_pretrained(args.out)
+        print(f"wrote {args.out} (load it with transformers' AutoModelForCausalLM.from_pretrained)")
+    return before, after
+
+
+if __name__ == "__main__":
+    main()
