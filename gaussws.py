@@ -1342,7 +1342,7 @@ def remove_pqt(model, cast=None):
     cast: None keeps the trained weights w; "tiers" first casts every tile of w to the Table C
     format of its bitwidth (`cast_to_tiers`); "eXmY" (e.g. "e3m4", "e2m3", as the CAST_SWEEP of
     the cast sweep) casts every tile to that FP format with its own power-of-two scale
-    (`cast_tiles`). The weights stay in their dtype (the cast values are exact in it). The model
+    (`cast_tiles`). The weights keep their dtype (float32 holds every cast value exactly). The model
     keeps its train/eval mode; an optimizer made before still holds the removed b_i.
     From a PQT checkpoint: build the model, apply_pqt with the same arguments, load_state_dict,
     then remove_pqt. Returns the names of the layers replaced, in module order.
