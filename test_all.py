@@ -12,6 +12,7 @@ Statistical tests state their confidence: a bound of z standard errors fails a c
 implementation with probability about 2*Phi(-z) (z = 5: 6e-7), and every random test is seeded.
 """
 import argparse
+import copy
 import gzip
 import io
 import itertools
@@ -2224,8 +2225,15 @@ def test_conv1d_is_sampled_as_its_transposed_linear_with_the_same_tiles():
     assert g.bitwidth_stats(m)["0"]["params"] == 45 * 70
     m.eval()
     y_pqt = m(x)
-    assert g.remove_pqt(m) == ["0"]
-    assert type(m[0]) is Conv1D and m[0].weight is w and torch.equal(m(x), y_pqt)
+    back = copy.deepcopy(m)
+    assert g.remove_pqt(back) == ["0"]
+    assert type(back[0]) is Conv1D and torch.equal(back(x), y_pqt)
+    # the Table C cast of each tile is the twin linear's, transposed; the Parameter stays
+    w0 = w.detach().clone()
+    g.cast_to_tiers(nn.Sequential(lin))
+    g.remove_pqt(m, cast="tiers")
+    assert type(m[0]) is Conv1D and m[0].weight is w and torch.equal(w, lin.weight.t())
+    assert not torch.equal(w, w0)
 
 
 def _set_random_bitwidths(model, seed=0):
