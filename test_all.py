@@ -2417,26 +2417,37 @@ def test_hf_state_dict_round_trip_and_remove_pqt(kind):
     assert torch.equal(back.eval()(input_ids=x).logits, y)
 
 
-def test_hf_trainer_with_adamw4bit_and_an_lr_schedule(tmp_path):
+def test_hf_trainer_with_adamw4bit_an_lr_schedule_and_resume(tmp_path):
     tf = pytest.importorskip("transformers", reason="the Trainer test needs transformers and accelerate")
-    m = _hf("llama")
-    g.apply_pqt(m, seed=3)
-    opt = _hf_optimizer(m, lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 10)
     rows = _text_rows(128)
-    args = tf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=8,
-                                logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
-                                disable_tqdm=True, seed=0)
-    trainer = tf.Trainer(model=m, args=args, train_dataset=[dict(input_ids=r, labels=r) for r in rows],
-                         optimizers=(opt, sched))
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    def trainer(quantize_head):
+        m = _hf("llama")
+        g.apply_pqt(m, seed=3)
+        opt = _hf_optimizer(m, lr=1e-2)
+        opt.param_groups[0]["quantize"] = quantize_head
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 10)
+        args = tf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=8,
+                                    logging_steps=1, report_to="none", use_cpu=True, save_steps=4,
+                                    disable_tqdm=True, seed=0)
+        return m, opt, tf.Trainer(model=m, args=args, train_dataset=[dict(input_ids=r, labels=r) for r in rows],
+                                  optimizers=(opt, sched))
+    m, opt, tr = trainer(quantize_head=False)
+    tr.train()
+    losses = [h["loss"] for h in tr.state.log_history if "loss" in h]
     assert len(losses) == 8 and losses[-1] < 0.8 * losses[0]
-    assert getattr(trainer.optimizer, "optimizer", trainer.optimizer) is opt
+    assert getattr(tr.optimizer, "optimizer", tr.optimizer) is opt
     assert opt.param_groups[1]["lr"] == pytest.approx(1e-2 * (1 - 8 / 10))
     w = m.model.layers[1].self_attn.q_proj.weight
     assert opt.state[w]["step"] == 8 and opt.state[w]["exp_avg"].dtype == torch.uint8
     assert opt.state[m.lm_head.weight]["exp_avg"].dtype == torch.float32
+    # resume from the step-4 checkpoint: the saved policy (FP32 head states) wins over the new
+    # optimizer's, and the model (b_i, noise counters) and optimizer end bit for bit as above
+    m2, opt2, tr2 = trainer(quantize_head=True)
+    tr2.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert opt2.param_groups[0]["quantize"] is False
+    for (n, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
+        assert torch.equal(a, b), n
 
 
 # ---------------------------------------------------------------------------------------------
