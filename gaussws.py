@@ -1127,8 +1127,22 @@ class GaussWSConv1D(GaussWSLinear):
     weight.t(), the (out, in) weight of the equivalent nn.Linear, with that linear's 32x32 tiles:
     b_i has shape (ceil(out/32), ceil(in/32)) as in GaussWSLinear(in, out). Square tiles anchored
     at (0, 0) are the same tiles in both layouts, so every tile holds the same weights; only the
-    order in which R is drawn over them differs. Arguments and errors as GaussWSLinear.
+    order in which R is drawn over them differs. Arguments and errors as GaussWSLinear; made
+    directly, its weight is initialised as Conv1D does (N(0, 0.02²), bias 0).
     """
+
+    def __init__(self, in_features, out_features, *args, **kwargs):
+        super().__init__(in_features, out_features, *args, **kwargs)
+        self.weight = nn.Parameter(self.weight.new_empty(in_features, out_features))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """As GaussWSLinear's (b_i = 1, noise_state = [key, 0]), with Conv1D's weight and bias."""
+        super().reset_parameters()
+        with torch.no_grad():
+            nn.init.normal_(self.weight, std=0.02)
+            if self.bias is not None:
+                self.bias.zero_()
 
     def forward(self, x):
         w = self.weight.t()       # the (out, in) view; pqt_linear copies it to a contiguous w

@@ -2234,6 +2234,9 @@ def test_conv1d_is_sampled_as_its_transposed_linear_with_the_same_tiles():
     g.remove_pqt(m, cast="tiers")
     assert type(m[0]) is Conv1D and m[0].weight is w and torch.equal(w, lin.weight.t())
     assert not torch.equal(w, w0)
+    made = g.GaussWSConv1D(45, 70)                    # made directly: Conv1D's layout and init
+    assert made.weight.shape == (45, 70) and made(x).shape == (3, 5, 70)
+    assert 0.015 < made.weight.std().item() < 0.025 and torch.equal(made.bias, torch.zeros(70))
 
 
 def _set_random_bitwidths(model, seed=0):
