@@ -1359,7 +1359,8 @@ def remove_pqt(model, cast=None):
     (`cast_tiles`). The weights keep their dtype (float32 holds every cast value exactly). The model
     keeps its train/eval mode; an optimizer made before still holds the removed b_i.
     From a PQT checkpoint: build the model, apply_pqt with the same arguments, load_state_dict,
-    then remove_pqt. Returns the names of the layers replaced, in module order.
+    then remove_pqt; to export and keep training, call it on copy.deepcopy(model). Returns the
+    names of the layers replaced, in module order.
     Raises TypeError (model not an nn.Module), ValueError (cast not one of those; a model
     without GaussWSLinear layers)."""
     _check_module(model, "remove_pqt")

@@ -2451,6 +2451,17 @@ def test_hf_trainer_with_adamw4bit_an_lr_schedule_and_resume(tmp_path):
     assert opt2.param_groups[0]["quantize"] is False
     for (n, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
         assert torch.equal(a, b), n
+    # or the Trainer builds it, with its own groups (no weight decay on norms and biases)
+    m3 = _hf("llama")
+    args = tf.TrainingArguments(output_dir=str(tmp_path / "cls"), per_device_train_batch_size=8, max_steps=2,
+                                report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True,
+                                learning_rate=1e-2, weight_decay=0.1)
+    tr3 = tf.Trainer(model=m3, args=args, train_dataset=[dict(input_ids=r, labels=r) for r in rows],
+                     optimizer_cls_and_kwargs=(A.AdamW4bit, dict(preset="zipsr")))
+    tr3.train()
+    opt3 = getattr(tr3.optimizer, "optimizer", tr3.optimizer)
+    assert type(opt3) is A.AdamW4bit and [gr["weight_decay"] for gr in opt3.param_groups] == [0.1, 0.0]
+    assert opt3.state[m3.model.layers[0].mlp.up_proj.weight]["exp_avg"].dtype == torch.uint8
 
 
 # ---------------------------------------------------------------------------------------------
