@@ -1,6 +1,6 @@
 """
 All tests, one section per file in module order (codebooks, philox, adam4bit, gaussws, model /
-data / train, bench, experiments); within a section the papers' facts first, then kernel =
+data / train, bench, experiments, finetune_hf); within a section the papers' facts first, then kernel =
 reference, then API and errors. They run on CPU, the Triton kernels under TRITON_INTERPRET=1:
 
     TRITON_INTERPRET=1 python3 -m pytest -q test_all.py
