@@ -116,12 +116,15 @@ def main(argv=None):
     print(f"PQT on {len(replaced)} layers ({replaced[0]}, ...); {len(train)} train / {len(val)} val windows")
     opt = optimizer(args, model)
     warmup = max(1, args.max_steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(      # linear warmup, then cosine to 10 %
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(1.0, s / args.max_steps))))
+
+    def lr_factor(step):   # linear warmup over 10 % of the steps, then cosine down to 10 %
+        return min(1.0, (step + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(1.0, step / args.max_steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    cuda = torch.cuda.is_available()
     targs = tf.TrainingArguments(output_dir=args.out or "out-finetune-hf", max_steps=args.max_steps,
-                                 per_device_train_batch_size=args.batch_size, logging_steps=max(1, args.max_steps // 10),
-                                 save_strategy="no", report_to="none", seed=args.seed, disable_tqdm=True,
-                                 bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available())
+                                 per_device_train_batch_size=args.batch_size,
+                                 logging_steps=max(1, args.max_steps // 10), save_strategy="no",
+                                 report_to="none", seed=args.seed, disable_tqdm=True, bf16=cuda, use_cpu=not cuda)
     trainer = tf.Trainer(model=model, args=targs, train_dataset=train, eval_dataset=val,
                          optimizers=(opt, sched))
     t0 = time.time()
