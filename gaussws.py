@@ -170,12 +170,31 @@ def _check_seed(seed, also=""):
     return seed
 
 
+_SEED_CACHE = {}        # (device, seed) -> int64 tensor [seed, 0] on that device
+_SEED_CACHE_SIZE = 256
+
+
 def _seed_tensor(seed, device):
     """int seed s -> int64 tensor [s, 0] (key s, call counter 0); an int64 tensor [key, counter]
-    passes through (moved to `device`)."""
+    passes through (moved to `device`). On a GPU the int's tensor is made by two fill kernels (the
+    value travels as a kernel argument) and cached: torch.tensor([s, 0], device=...) would be a
+    blocking host-to-device copy at every call. Not cached while a CUDA graph is being captured
+    (the tensor would live in the graph's memory pool)."""
     if not isinstance(seed, torch.Tensor):
         _check_seed(seed, also=" or an int64 tensor [key, counter]")
-        return torch.tensor([seed, 0], dtype=torch.int64, device=device)
+        device = torch.device(device)
+        if device.type == "cpu" or torch.compiler.is_compiling():   # compiled: a graph constant
+            return torch.tensor([seed, 0], dtype=torch.int64, device=device)
+        t = _SEED_CACHE.get((device, seed))
+        if t is None:
+            t = torch.zeros(2, dtype=torch.int64, device=device)
+            t[:1].fill_(seed)
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if not capturing:
+                if len(_SEED_CACHE) >= _SEED_CACHE_SIZE:
+                    _SEED_CACHE.pop(next(iter(_SEED_CACHE)))        # the oldest entry
+                _SEED_CACHE[(device, seed)] = t
+        return t
     if seed.dtype != torch.int64 or tuple(seed.shape) != (2,):
         raise ValueError(f"seed tensor must be int64 of shape (2,) = [key, counter], "
                          f"got dtype {seed.dtype} shape {tuple(seed.shape)}")
@@ -1078,7 +1097,8 @@ class GaussWSLinear(nn.Linear):
                     raise RuntimeError(_recompute_error(self._name, "recomputes the layer a second "
                                                         "time in one backward"))
                 self._replayed = replay
-            seed = self.noise_state - torch.tensor([0, 1], device=self.noise_state.device)
+            seed = self.noise_state.clone()
+            seed[1:].sub_(1)                     # a scalar kernel argument: no host-to-device copy
             seed._gaussws_call = self._last_call   # backward checks it is its call's
             return seed
         if torch.compiler.is_compiling():

@@ -2035,6 +2035,103 @@ def test_cast_to_tiers_uses_each_tiles_clamped_b_t():
 
 
 # ---------------------------------------------------------------------------------------------
+# the public calls without host syncs; CUDA graphs
+
+def test_int_seed_is_the_tensor_seed_and_device_seeds_are_cached():
+    """seed=s and seed=tensor([s, 0]) give the same w_hat bits and the same gradients (CPU). A
+    seed tensor for another device is made once (fills, no host-to-device copy; the meta device
+    stands in for a GPU here) and reused, the cache stays bounded, the counter slot is 0."""
+    torch.manual_seed(31)
+    w = torch.randn(70, 45, requires_grad=True)
+    bt = (3 + 5 * torch.rand(g.tile_grid(70, 45))).requires_grad_()
+    out = []
+    for seed in (2 ** 62 + 5, torch.tensor([2 ** 62 + 5, 0])):
+        w.grad = bt.grad = None
+        w_hat = g.gaussws_sample(w, bt, seed, out_dtype=torch.float32)
+        w_hat.square().sum().backward()
+        out.append((w_hat.detach(), w.grad.clone(), bt.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+    assert torch.equal(g._seed_tensor(9, "cpu"), torch.tensor([9, 0]))
+    a = g._seed_tensor(2 ** 63 - 1, "meta")
+    assert a is g._seed_tensor(2 ** 63 - 1, "meta") and a.dtype == torch.int64 and a.shape == (2,)
+    for s in range(g._SEED_CACHE_SIZE + 3):
+        g._seed_tensor(s, "meta")
+    assert len(g._SEED_CACHE) <= g._SEED_CACHE_SIZE
+    assert (torch.device("meta"), 2 ** 63 - 1) not in g._SEED_CACHE    # the oldest went first
+
+
+@needs_compiled
+@needs_cuda
+def test_gpu_public_calls_make_no_host_sync():
+    """gaussws_sample, generate_noise, apply_noise (int seeds, new and repeated) and a
+    GaussWSLinear forward + backward under torch.cuda.set_sync_debug_mode("error"): no blocking
+    host-device transfer; the cached int seed gives the tensor seed's bits."""
+    dev = "cuda"
+    torch.manual_seed(32)
+    w = torch.randn(96, 64, device=dev, requires_grad=True)
+    bt = (3 + 5 * torch.rand(g.tile_grid(96, 64), device=dev)).requires_grad_()
+    layer = g.GaussWSLinear(64, 96, seed=4).to(dev)
+    x = torch.randn(8, 64, device=dev)
+    ref = g.gaussws_sample(w, bt, torch.tensor([77, 0], device=dev)).detach()
+    layer(x).sum().backward()                              # kernels compiled before the check
+    g.apply_noise(w.detach(), g.generate_noise((96, 64), 3, device=dev), bt.detach())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in (77, 77, 78, 2 ** 63 - 1):
+            w_hat = g.gaussws_sample(w, bt, s)
+            w_hat.float().square().sum().backward()
+            g.gaussws_sample(w, bt, s, fused=True)
+            g.apply_noise(w.detach(), g.generate_noise((96, 64), s, device=dev), bt.detach())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(g.gaussws_sample(w, bt, 77).detach(), ref)
+    assert layer.noise_state[1].item() == 2
+
+
+@needs_compiled
+@needs_cuda
+def test_gpu_cuda_graph_capture_advances_the_counter():
+    """A GaussWSLinear inside a captured CUDA graph (torch.cuda.graph around forward + backward):
+    each replay advances the layer's counter on the device and samples the next w_hat, the same
+    outputs and b_i grads as eager calls with the same counters."""
+    dev = "cuda"
+    torch.manual_seed(33)
+    x = torch.randn(16, 64, device=dev)
+    eager = g.GaussWSLinear(64, 96, seed=6).to(dev)
+    want = []
+    for _ in range(3):
+        eager.b_i.grad = None
+        y = eager(x)
+        y.square().sum().backward()
+        want.append((y.detach().clone(), eager.b_i.grad.clone()))
+    layer = g.GaussWSLinear(64, 96, seed=6).to(dev)
+    layer.load_state_dict(eager.state_dict())
+    layer.noise_state[1] = 0
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                            # warm-up call 0 outside the graph
+        y = layer(x)
+        y.square().sum().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(y, want[0][0]) and torch.equal(layer.b_i.grad, want[0][1])
+    graph = torch.cuda.CUDAGraph()
+    layer.b_i.grad.zero_()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+        y.square().sum().backward()
+    for k in (1, 2):                                      # capture did not run: replays are calls 1, 2
+        layer.b_i.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, want[k][0]) and torch.equal(layer.b_i.grad, want[k][1]), k
+    assert layer.noise_state[1].item() == 3
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU-only: the compiled kernels = the reference
 
 @needs_compiled
