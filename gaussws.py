@@ -656,7 +656,6 @@ def _apply_torch(w, noise, pow2, method, out_dtype):
 # low bits of the old value; the last of the P programs (old >> 40 == P - 1; all others have read t)
 # removes the P tickets and adds 1. Right for t < 2^40 (calls), the state holds [key, t + 1] after
 # the kernel and program (0, 0) writes the call's seed [key, t] for backward.
-TICKET_BITS = 40
 
 
 @triton.jit
@@ -1163,9 +1162,10 @@ class GaussWSLinear(nn.Linear):
     Parameters: weight (out, in) and bias as nn.Linear, `b_i` (ceil(out/32), ceil(in/32)) init 1
     (put weight decay on it to pull b_t to b_target). Buffer `noise_state` int64 [key, call
     counter] (checkpointed by state_dict). The counter advances by one at every training-mode
-    forward (not at the re-run of a forward by activation checkpointing, which reuses the last
-    seed: a layer called twice in one checkpointed region, or checkpointed again before the
-    backward, raises RuntimeError in that backward); eval mode uses w itself (no noise) unless
+    forward (it must stay below 2^40: the apply kernel counts its programs in the bits above; not
+    at the re-run of a forward by activation checkpointing, which reuses the last seed: a layer
+    called twice in one checkpointed region, or checkpointed again before the backward, raises
+    RuntimeError in that backward); eval mode uses w itself (no noise) unless
     `sample_in_eval` is set, in which case it samples with the current state without advancing
     it. `reset_parameters()` initialises weight, bias, b_i and noise_state as at construction.
     """
