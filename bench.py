@@ -7,7 +7,8 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only optim    # 4-bit AdamW step (paper B) vs torch AdamW, bandwidth floor
     python bench.py --only noise    # GaussWS noise kernels (paper A, Figure 6)
     python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
-    python bench.py --only train    # paper A Table 1: tokens/s, peak memory, overhead vs BF16
+    python bench.py --only train    # GPT-2-124M compiled: bf16 vs GaussWS vs plain-PyTorch eq. 3
+    python bench.py --only train --table1 --compile   # + paper A Table 1 (llama-134m ... 70b-4l)
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
 
 The paper-reproduction runs and the figures live in experiments.py; these two run its code:
@@ -26,6 +27,7 @@ import os
 import shlex
 import statistics
 import sys
+import time
 
 import torch
 import triton
@@ -246,8 +248,10 @@ def bench_noise():
     print(f"\ncopy bandwidth (read+write): {bw / 1e12:.3f} TB/s; floor = numel * 7 B / that")
     hdr = (f"{'shape':>12s} {'eager':>8s} {'compiled':>8s} {'bm':>8s} {'ours':>8s} {'fused':>8s} {'diffq':>8s} "
            f"{'floor':>8s} {'ours_g':>8s} {'fused_g':>8s} {'comp_g':>8s} {'bwd':>8s} {'bwd_f':>8s} "
-           f"{'gen':>8s} {'apply':>8s} {'bm_g':>8s} {'eag/ours':>8s} {'eag/fused':>9s} {'comp/ours':>9s} {'comp/fus':>8s} {'floor%':>6s} {'floor%f':>7s}")
-    print("times in microseconds (median); *_g = CUDA-graph replay (GPU time only)")
+           f"{'gen':>8s} {'apply':>8s} {'bm_g':>8s} {'eag/ours':>8s} {'eag/fused':>9s} {'comp/ours':>9s} {'comp/fus':>8s} {'floor%':>6s} {'floor%f':>7s} {'api':>8s} {'api_f':>8s} {'gen_api':>8s} {'appl_api':>8s}")
+    print("times in microseconds (median); *_g = CUDA-graph replay (GPU time only); api = gaussws_sample(w, b_t, "
+          "seed=int) (3 kernels), api_f = the same with fused=True, gen_api / appl_api = generate_noise / "
+          "apply_noise: the public calls, argument checks and 2^(1-b_t) included")
     print(hdr)
     out = []
     comp = torch.compile(torch_eq3, dynamic=False)
@@ -269,14 +273,19 @@ def bench_noise():
                  floor=m * n * 7 / bw * 1e3, ours_g=_time(ours, True), fused_g=_time(fused, True),
                  comp_g=_time(lambda: comp(w, bt), True), bwd=_time(bwd), bwd_f=_time(bwdf),
                  gen=_time(lambda: g._generate_triton(m, n, seed, "gaussws")), bm_g=_time(bm, True),
-                 apply=_time(lambda: g._apply_triton(w, packed, pow2, seed, "gaussws", BF16, False)))
+                 apply=_time(lambda: g._apply_triton(w, packed, pow2, seed, "gaussws", BF16, False)),
+                 # the public calls: argument checks, 2^(1-b_t) from b_t, the int seed's cached tensor
+                 api=_time(lambda: g.gaussws_sample(w, bt, 12345)),
+                 api_f=_time(lambda: g.gaussws_sample(w, bt, 12345, fused=True)),
+                 gen_api=_time(lambda: g.generate_noise((m, n), 12345, device="cuda")),
+                 apply_api=_time(lambda: g.apply_noise(w, packed, bt)))
         out.append(r)
         us = lambda k: f"{r[k] * 1e3:8.1f}"
         print(f"{r['shape']:>12s} " + " ".join(us(k) for k in ("eager", "compiled", "bm", "ours", "fused", "diffq", "floor",
                                                              "ours_g", "fused_g", "comp_g", "bwd", "bwd_f", "gen", "apply", "bm_g"))
               + f" {r['eager'] / r['ours']:8.2f} {r['eager'] / r['fused']:9.2f} {r['compiled'] / r['ours']:9.2f}"
               + f" {r['compiled'] / r['fused']:8.2f} {100 * r['floor'] / r['ours']:6.1f}"
-              + f" {100 * r['floor'] / r['fused']:7.1f}")
+              + f" {100 * r['floor'] / r['fused']:7.1f} " + " ".join(us(k) for k in ("api", "api_f", "gen_api", "apply_api")))
         del w, gg
         torch.cuda.empty_cache()
     return out
@@ -375,6 +384,141 @@ def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gauss
                 geo[f"{method}/{optim}"] = 100 * (1 - math.exp(sum(math.log(1 - o / 100) for o in ov) / len(ov)))
     print("geometric-mean overhead vs bf16:", {k: round(v, 2) for k, v in geo.items()})
     return dict(rows=rows, geomean_overhead_pct=geo)
+
+
+class TorchEq3Linear(torch.nn.Linear):
+    """The plain-PyTorch GaussWS layer a user would write (the baseline of `bench_train_gpt2`):
+    eq. 3 with R = round(N(0,1)/2) from torch.randn, the tile max as a reshape + amax, the scale
+    broadcast by repeat_interleave, b_t = b_target + b_i·(b_init − b_target) learnable (eq. 11),
+    autograd for eq. 4 (the tile max detached, as eq. 4 treats it). Needs m, n multiples of 32."""
+
+    def __init__(self, lin, b_init=6.0, b_target=4.0):
+        super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                         device=lin.weight.device, dtype=lin.weight.dtype)
+        self.weight, self.bias = lin.weight, lin.bias
+        self.b_init, self.b_target = b_init, b_target
+        self.b_i = torch.nn.Parameter(torch.ones(g.tile_grid(*lin.weight.shape), device=lin.weight.device))
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)
+        w = self.weight
+        m, n = w.shape
+        tmax = w.detach().abs().view(m // 32, 32, n // 32, 32).amax(dim=(1, 3))
+        b_t = (self.b_target + self.b_i * (self.b_init - self.b_target)).clamp(1, 24)
+        scale = (tmax * torch.exp2(1 - b_t)).repeat_interleave(32, 0).repeat_interleave(32, 1)
+        w_hat = w + torch.round(torch.randn_like(w) * 0.5) * scale
+        return torch.nn.functional.linear(x, w_hat, self.bias)       # autocast casts w_hat to BF16
+
+
+def torch_eq3_pqt(model):
+    """Every block linear of `model` (the parts apply_pqt would take) -> TorchEq3Linear."""
+    for block in model.blocks.modules():
+        for name, child in list(block.named_children()):
+            if name in g.ALL_PARTS and type(child) is torch.nn.Linear:
+                setattr(block, name, TorchEq3Linear(child))
+
+
+# name -> model surgery; each is timed against "bf16" (no surgery) in the same process
+TRAIN_VARIANTS = {"bf16": lambda model: None,
+                  "gaussws": lambda model: g.apply_pqt(model, parts="all"),
+                  "torch eq.3": torch_eq3_pqt}
+
+
+def _gpu_profile(step, n=3):
+    """torch.profiler over n steps: (GPU ms per step = summed kernel/memcpy/memset time, GPU
+    operations per step)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in dev) / 1e3 / n, len(dev) / n
+
+
+def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps=30, batch=16, T=1024,
+                     preset="gpt2-124m"):
+    """GaussWS at the training level: GPT-2-124M, batch 16 × 1024, BF16 autocast, torch.compile
+    (each mode of `modes`; "eager": not compiled), fused AdamW, gradient clipping, one micro-step per optimizer step;
+    every variant (model surgery of `variants`, "bf16" = none) is built and compiled once, then
+    timed in `pairs` interleaved rounds (median of `steps` CUDA-event-timed steps each) in this
+    one process, so the ratios to bf16 are not moved by the machine between runs. Per variant
+    also: host ms per step (the step() call without waiting for the GPU; near the step time =
+    host-bound), and from torch.profiler the GPU time and GPU operations per step."""
+    import train as trainer
+    from model import GPT, preset_config
+    device = torch.device("cuda")
+    args = argparse.Namespace(optim="adamw", lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
+                              weight_decay=0.1, bits_wd=0.0, seed=0)
+    x = torch.randint(0, 50304, (batch, T), device=device)
+    y = torch.randint(0, 50304, (batch, T), device=device)
+    runs = {}
+    for mode in modes:
+        for name, surgery in variants.items():
+            torch.manual_seed(0)
+            with device:
+                model = GPT(preset_config(preset, block_size=T))
+            surgery(model)
+            opt = trainer.build_optimizer(args, model, "cuda")
+            fwd = model if mode == "eager" else torch.compile(model, mode=mode)
+            graphs = "reduce-overhead" in mode
+
+            def step(model=model, opt=opt, fwd=fwd, graphs=graphs):
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    _, loss = fwd(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            for _ in range(3):                                   # compile, record, warm up
+                step()
+            torch.cuda.synchronize()
+            runs[(mode, name)] = dict(step=step, model=model, ms=[], host=[])
+            print(f"  built {name} ({mode})", flush=True)
+    for _ in range(pairs):
+        for key, r in runs.items():
+            times, host = [], []
+            for _ in range(steps):
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record()
+                h = time.perf_counter()
+                r["step"]()
+                host.append((time.perf_counter() - h) * 1e3)
+                t1.record()
+                t1.synchronize()
+                times.append(t0.elapsed_time(t1))
+            r["ms"].append(statistics.median(times))
+            r["host"].append(statistics.median(host))
+    rows = []
+    for (mode, name), r in runs.items():
+        gpu_ms, ops = _gpu_profile(r["step"])
+        base = runs[(mode, "bf16")]["ms"]
+        ov = [100 * (a / b - 1) for a, b in zip(r["ms"], base)]
+        rows.append(dict(model=preset, params=r["model"].num_params(), batch=batch, T=T, optim="adamw",
+                         method=name, mode=mode, compiled=True, step_ms_pairs=r["ms"],
+                         step_ms=statistics.median(r["ms"]), tokens_per_s=batch * T / statistics.median(r["ms"]) * 1e3,
+                         tokens_per_s_pairs=[batch * T / m * 1e3 for m in r["ms"]],
+                         overhead_pct=statistics.mean(ov), overhead_pct_pairs=ov,
+                         host_ms_per_step=statistics.median(r["host"]), gpu_ms_per_step=gpu_ms,
+                         gpu_ops_per_step=ops,
+                         command=f"python bench.py --only train  # {preset} {name} mode={mode}"))
+    print(f"\n{preset}, batch {batch} x {T}, BF16 autocast, compiled, fused AdamW, 1 micro-step/step; "
+          f"{pairs} interleaved rounds x median of {steps} steps")
+    print(f"{'variant':22s} {'mode':16s} {'tokens/s per round':>26s} {'step time vs bf16':>18s} "
+          f"{'host ms':>8s} {'GPU ms':>8s} {'GPU ops':>8s}")
+    for r in rows:
+        tps = " / ".join(f"{t:,.0f}" for t in r["tokens_per_s_pairs"])
+        ovs = " / ".join(f"{o:+.2f}" for o in r["overhead_pct_pairs"])
+        print(f"{r['method']:22s} {r['mode']:16s} {tps:>26s} {ovs + ' %':>18s} {r['host_ms_per_step']:8.2f} "
+              f"{r['gpu_ms_per_step']:8.2f} {r['gpu_ops_per_step']:8.0f}")
+    for r in runs.values():
+        del r["step"], r["model"]
+    torch.cuda.empty_cache()
+    return dict(rows=rows)
 
 
 def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
@@ -494,7 +638,12 @@ def build_parser():
                     help="--only ddp: training steps (default 300); --only quality: train.py --max_iters "
                          "instead of --tokens_per_param")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
-    ap.add_argument("--compile", action="store_true", help="--only train: torch.compile each model (slow to start)")
+    ap.add_argument("--compile", action="store_true", help="--only train --table1: torch.compile each model (slow to start)")
+    ap.add_argument("--table1", action="store_true", help="--only train: also paper A Table 1 (llama-134m ... "
+                                                          "70b-4l; eager unless --compile)")
+    ap.add_argument("--modes", default="default", help="--only train: torch.compile modes of the GPT-2 comparison, "
+                                                       "comma-separated (default, reduce-overhead; eager = not compiled)")
+    ap.add_argument("--pairs", type=int, default=2, help="--only train: interleaved rounds of the GPT-2 comparison")
     import experiments
     experiments.add_quality_args(ap.add_argument_group("--only quality (as experiments.py quality)"),
                                  skip=("--dataset", "--iters"))
@@ -522,8 +671,11 @@ def main(argv=None):
     if args.only in (None, "memory"):
         save("memory", bench_memory())
     if args.only in (None, "train"):
-        save("train", bench_train(compile=args.compile,
-                                  on_row=lambda rows: save("train", dict(rows=rows, partial=True))))
+        res = bench_train_gpt2(modes=args.modes.split(","), pairs=args.pairs)
+        save("train", dict(res, partial=args.table1))
+        if args.table1:
+            save("train", dict(rows=res["rows"] + bench_train(
+                compile=args.compile, on_row=lambda rows: save("train", dict(rows=res["rows"] + rows, partial=True)))["rows"]))
     if args.only == "ddp":
         if torch.cuda.device_count() < 2:
             raise SystemExit("--only ddp needs 2 GPUs")

@@ -2465,6 +2465,192 @@ def test_hf_trainer_with_adamw4bit_an_lr_schedule_and_resume(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# the public calls without host syncs; CUDA graphs
+
+def test_int_seed_is_the_tensor_seed_and_device_seeds_are_cached():
+    """seed=s and seed=tensor([s, 0]) give the same w_hat bits and the same gradients (CPU). A
+    seed tensor for another device is made once (fills, no host-to-device copy; the meta device
+    stands in for a GPU here) and reused, the cache stays bounded, the counter slot is 0."""
+    torch.manual_seed(31)
+    w = torch.randn(70, 45, requires_grad=True)
+    bt = (3 + 5 * torch.rand(g.tile_grid(70, 45))).requires_grad_()
+    out = []
+    for seed in (2 ** 62 + 5, torch.tensor([2 ** 62 + 5, 0])):
+        w.grad = bt.grad = None
+        w_hat = g.gaussws_sample(w, bt, seed, out_dtype=torch.float32)
+        w_hat.square().sum().backward()
+        out.append((w_hat.detach(), w.grad.clone(), bt.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+    assert torch.equal(g._seed_tensor(9, "cpu"), torch.tensor([9, 0]))
+    a = g._seed_tensor(2 ** 63 - 1, "meta")
+    assert a is g._seed_tensor(2 ** 63 - 1, "meta") and a.dtype == torch.int64 and a.shape == (2,)
+    for s in range(g._SEED_CACHE_SIZE + 3):
+        g._seed_tensor(s, "meta")
+    assert len(g._SEED_CACHE) <= g._SEED_CACHE_SIZE
+    assert (torch.device("meta"), 2 ** 63 - 1) not in g._SEED_CACHE    # the oldest went first
+
+
+@pytest.mark.parametrize("m,n,bt,nw", [(70, 45, 4, 4), (1, 1, 4, 4), (64, 130, 1, 1), (33, 100, 2, 2)])
+def test_apply_kernel_advances_the_counter_over_its_grid(m, n, bt, nw):
+    """The apply kernel that advances noise_state (its programs take tickets on the counter word):
+    after it the state is [key, t + 1] whatever the grid (1 to 10 programs), the call's seed is
+    [key, t], and w_hat / tile max equal the fused kernel's with that seed."""
+    torch.manual_seed(34)
+    w = torch.randn(m, n, device=DEV)
+    pow2 = torch.exp2(1 - (3 + 5 * torch.rand(g.tile_grid(m, n), device=DEV)))
+    for t in (0, 5, 2 ** 40 - 2):
+        state = torch.tensor([2 ** 62 + 77, t], device=DEV)
+        out = torch.empty(2, dtype=torch.int64, device=DEV)
+        a = g._apply_triton(w, None, pow2, state, "gaussws", torch.bfloat16, True, bt, nw, seed_out=out)
+        b = g._apply_triton(w, None, pow2, torch.tensor([2 ** 62 + 77, t], device=DEV), "gaussws", torch.bfloat16, True, bt, nw)
+        assert state.tolist() == [2 ** 62 + 77, t + 1] and out.tolist() == [2 ** 62 + 77, t]
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_dbi_is_autograd_bit_for_bit():
+    """`_dbi_torch` (what the grad kernel computes for the layer) equals autograd through eq. 11 and
+    `_pow2`, bit for bit, for b_t inside and outside [B_MIN, B_MAX], float32 and bfloat16 b_i."""
+    torch.manual_seed(35)
+    for dtype, (b_init, b_target) in ((torch.float32, (7.0, 4.0)), (torch.bfloat16, (6.0, 4.0)), (torch.float32, (5.5, 5.5))):
+        b_i = (torch.rand(300, 7) * 14 - 3).to(dtype).requires_grad_()
+        b_t = g._bitwidth(b_i, b_init, b_target)
+        pow2 = g._pow2(b_t)
+        dpow2 = torch.randn(300, 7) * 100
+        pow2.backward(dpow2)
+        with torch.no_grad():
+            got = g._dbi_torch(dpow2, pow2, b_t, b_init - b_target, dtype)
+        assert torch.equal(got, b_i.grad) and got.dtype == dtype
+        assert ((b_t < g.B_MIN) | (b_t > g.B_MAX)).any() or b_init == b_target
+
+
+@pytest.mark.parametrize("dtype,b_init,b_target", [(torch.float32, 7.0, 4.0), (torch.bfloat16, 6.0, 4.0)])
+def test_layer_path_equals_pqt_linear(dtype, b_init, b_target):
+    """GaussWSLinear's own path (counter advanced in the apply kernel, ∂L/∂b_i in the grad kernel)
+    against `pqt_linear` with the layer's separate seed: the same outputs, weight / bias / b_i
+    grads bit for bit, over two calls, with tiles clamped at both ends of [B_MIN, B_MAX]; the
+    counter advances once per call; checkpointed calls reuse their seed."""
+    torch.manual_seed(36)
+    a = g.GaussWSLinear(45, 70, seed=8, impl="triton", b_init=b_init, b_target=b_target, dtype=dtype).to(DEV)
+    b = g.GaussWSLinear(45, 70, seed=8, impl="triton", b_init=b_init, b_target=b_target, dtype=dtype).to(DEV)
+    with torch.no_grad():
+        a.b_i.copy_(torch.rand(3, 2, device=DEV) * 14 - 3)
+        a.b_i[0, 0], a.b_i[2, 1] = -5.0, 9.0          # b_t below B_MIN and above B_MAX
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(5, 45, dtype=dtype, device=DEV)
+    for call in range(2):
+        a.zero_grad(), b.zero_grad()
+        ya = a(x)
+        yb = g.pqt_linear(x, b.weight, b.b_t, b.bias, b._next_seed(), impl="triton", fused=True)
+        assert torch.equal(ya, yb), call
+        (ya.float() * torch.arange(70.0, device=DEV)).sum().backward()
+        (yb.float() * torch.arange(70.0, device=DEV)).sum().backward()
+        for p, q in ((a.weight, b.weight), (a.bias, b.bias), (a.b_i, b.b_i)):
+            assert torch.equal(p.grad, q.grad), (call, p.shape)
+        assert a.noise_state.tolist() == b.noise_state.tolist() == [a._key, call + 1]
+    a.zero_grad()
+    y = checkpoint.checkpoint(a, x, use_reentrant=False)
+    y.float().sum().backward()
+    a2 = a.b_i.grad.clone()
+    b.zero_grad()
+    yb = g.pqt_linear(x, b.weight, b.b_t, b.bias, b._next_seed(), impl="triton", fused=True)
+    yb.float().sum().backward()
+    assert torch.equal(y, yb) and torch.equal(a2, b.b_i.grad) and a.noise_state[1].item() == 3
+
+
+@needs_compiled
+@needs_cuda
+def test_gpu_compiled_layers_equal_eager_layers():
+    """GaussWSLinear layers eager (their own path: the counter advanced in the apply kernel, ∂L/∂b_i
+    from the grad kernel) and under torch.compile (Inductor, the torch.library ops of
+    `pqt_linear`): the same losses and grads, the counters advance once per call in both."""
+    def make():
+        torch.manual_seed(1)
+        return nn.Sequential(g.GaussWSLinear(96, 160, seed=3), nn.GELU(), g.GaussWSLinear(160, 96, seed=4)).cuda()
+    eager, comp = make(), make()
+    cm = torch.compile(comp)
+    x = torch.randn(8, 96, device="cuda")
+    for k in range(3):
+        eager.zero_grad(), comp.zero_grad()
+        le, lc = eager(x).square().sum(), cm(x).square().sum()
+        le.backward(), lc.backward()
+        assert torch.allclose(le, lc, rtol=1e-5), k
+        for a, b in zip(eager.parameters(), comp.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-5), k
+    assert eager[0].noise_state.tolist() == comp[0].noise_state.tolist() == [eager[0]._key, 3]
+
+
+@needs_compiled
+@needs_cuda
+def test_gpu_public_calls_make_no_host_sync():
+    """gaussws_sample, generate_noise, apply_noise (int seeds, new and repeated) and a
+    GaussWSLinear forward + backward under torch.cuda.set_sync_debug_mode("error"): no blocking
+    host-device transfer; the cached int seed gives the tensor seed's bits."""
+    dev = "cuda"
+    torch.manual_seed(32)
+    w = torch.randn(96, 64, device=dev, requires_grad=True)
+    bt = (3 + 5 * torch.rand(g.tile_grid(96, 64), device=dev)).requires_grad_()
+    layer = g.GaussWSLinear(64, 96, seed=4).to(dev)
+    x = torch.randn(8, 64, device=dev)
+    ref = g.gaussws_sample(w, bt, torch.tensor([77, 0], device=dev)).detach()
+    layer(x).sum().backward()                              # kernels compiled before the check
+    g.apply_noise(w.detach(), g.generate_noise((96, 64), 3, device=dev), bt.detach())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in (77, 77, 78, 2 ** 63 - 1):
+            w_hat = g.gaussws_sample(w, bt, s)
+            w_hat.float().square().sum().backward()
+            g.gaussws_sample(w, bt, s, fused=True)
+            g.apply_noise(w.detach(), g.generate_noise((96, 64), s, device=dev), bt.detach())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(g.gaussws_sample(w, bt, 77).detach(), ref)
+    assert layer.noise_state[1].item() == 2
+
+
+@needs_compiled
+@needs_cuda
+def test_gpu_cuda_graph_capture_advances_the_counter():
+    """A GaussWSLinear inside a captured CUDA graph (torch.cuda.graph around forward + backward):
+    each replay advances the layer's counter on the device and samples the next w_hat, the same
+    outputs and b_i grads as eager calls with the same counters."""
+    dev = "cuda"
+    torch.manual_seed(33)
+    x = torch.randn(16, 64, device=dev)
+    eager = g.GaussWSLinear(64, 96, seed=6).to(dev)
+    want = []
+    for _ in range(3):
+        eager.b_i.grad = None
+        y = eager(x)
+        y.square().sum().backward()
+        want.append((y.detach().clone(), eager.b_i.grad.clone()))
+    layer = g.GaussWSLinear(64, 96, seed=6).to(dev)
+    layer.load_state_dict(eager.state_dict())
+    layer.noise_state[1] = 0
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                            # warm-up call 0 outside the graph
+        y = layer(x)
+        y.square().sum().backward()
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(y, want[0][0]) and torch.equal(layer.b_i.grad, want[0][1])
+    graph = torch.cuda.CUDAGraph()
+    layer.b_i.grad.zero_()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+        y.square().sum().backward()
+    for k in (1, 2):                                      # capture did not run: replays are calls 1, 2
+        layer.b_i.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, want[k][0]) and torch.equal(layer.b_i.grad, want[k][1]), k
+    assert layer.noise_state[1].item() == 3
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU-only: the compiled kernels = the reference
 
 @needs_compiled
