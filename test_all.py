@@ -1051,21 +1051,26 @@ def _rank_main(fn, tmp, rank, world):
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{fn}-{world}", rank=rank, world_size=world)
-    res = globals()[fn](rank, world, tmp)
+    args = torch.load(f"{tmp}/{fn}.{world}.args.pt") if os.path.exists(f"{tmp}/{fn}.{world}.args.pt") else ()
+    res = globals()[fn](rank, world, tmp, *args)
     torch.save(res, f"{tmp}/{fn}.{world}.{rank}.tmp")
     os.replace(f"{tmp}/{fn}.{world}.{rank}.tmp", f"{tmp}/{fn}.{world}.{rank}.pt")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _launch(fn, tmp, world, timeout=300):
-    """Run fn on `world` fresh processes (_rank_main) and return their results, rank by rank. A
+def _launch(fn, tmp, world, *args, timeout=300):
+    """Run fn(rank, world, tmp, *args) on `world` fresh processes (_rank_main; RANK, WORLD_SIZE,
+    LOCAL_RANK set as torchrun does) and return their results, rank by rank. A
     rank is judged by the result file it wrote, not by its exit status: gloo on CPU sometimes
     aborts (SIGABRT) in process-group teardown, after the results are written, and that is not a
     failure of what is tested. A rank that wrote nothing fails the test with its stderr."""
+    if args:
+        torch.save(args, os.path.join(str(tmp), f"{fn}.{world}.args.pt"))
     code = f"import test_all; test_all._rank_main({fn!r}, {str(tmp)!r}, {{}}, {world})"
     procs = [subprocess.Popen([sys.executable, "-c", code.format(r)], cwd=os.path.dirname(os.path.abspath(__file__)),
-                              env=dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1"),
+                              env=dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", RANK=str(r),
+                                       LOCAL_RANK=str(r), WORLD_SIZE=str(world)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
@@ -3377,6 +3382,52 @@ def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 35
     with pytest.raises(train.RunError, match="--seed 0 \\(checkpoint\\) vs 1"):
         train.main(args + ["--max_iters", "400", "--seed", "1", "--resume"])
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py --fsdp (2 gloo processes through _launch, as torchrun would start them)
+
+def _fsdp_train_py(rank, world, tmp, argv):
+    return train.main(argv)
+
+
+def test_train_fsdp_resumes_on_another_world_size_and_matches_one_process(corpus, tmp_path):
+    """--fsdp on 2 ranks stops at step 4 with a DCP folder (no .tmp or .old left), --resume
+    continues it on 1 rank (DCP reshards model, packed 4-bit states and scales); every step's
+    loss equals one plain process's with the same --grad_accum to float summation order (the 2
+    ranks average their two micro-batches' gradients in another order). Without PQT: under DDP
+    and FSDP2 each rank draws GaussWS noise once per step where one process draws it per
+    micro-batch."""
+    args = base_args(corpus, tmp_path / "f", "--max_iters", "6", "--eval_interval", "2", "--grad_accum", "2",
+                     "--optim", "zeeden", "--seed", "1")
+    _launch("_fsdp_train_py", tmp_path, 2, args + ["--fsdp", "--stop_after", "4"])
+    assert sorted(os.listdir(tmp_path / "f")) == ["ckpt", "log.jsonl"]
+    assert json.load(open(tmp_path / "f" / "ckpt" / "train.json"))["iter_num"] == 4
+    summary = _launch("_fsdp_train_py", tmp_path, 1, args + ["--fsdp", "--resume"])[0]
+    assert summary["start_iter"] == 4 and summary["iters"] == 6 and summary["world"] == 1
+    plain = train.main(base_args(corpus, tmp_path / "p", *args[args.index("--max_iters"):]))
+    steps = lambda d: [r["loss"] for r in read_log(d) if r["type"] == "step"]  # noqa: E731
+    assert len(steps(tmp_path / "f")) == 6
+    assert np.allclose(steps(tmp_path / "f"), steps(tmp_path / "p"), rtol=0, atol=1e-4)
+    assert abs(summary["final_val_loss"] - plain["final_val_loss"]) < 1e-4
+
+
+@pytest.mark.parametrize("flags, env, words", [
+    (["--fsdp"], {}, ["--fsdp", "torchrun"]),
+    (["--fsdp", "--optim", "adam-mini"], {"RANK": "0"}, ["--fsdp", "adam-mini", "zipsr"]),
+    (["--fsdp", "--bits_lambda", "0.5"], {"RANK": "0"}, ["--fsdp", "--bits_lambda 0.5", "DDP"]),
+])
+def test_fsdp_bad_flags_one_line_error(flags, env, words, capsys, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(train, "setup_distributed", lambda args: train.Process(False, 0, 1, "cpu"))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "nano", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("train.py: error:")
+    for w in words:
+        assert w in err
 
 
 # =============================================================================================
