@@ -59,7 +59,6 @@ from philox import philox
 
 try:                       # FSDP2 parameters are DTensors; builds without torch.distributed have none
     from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:
     DTensor = None
 
@@ -408,6 +407,12 @@ def _local_state(p, shape, local_rows, dtype, replicated):
                               stride=torch.empty(shape, device="meta").stride())
 
 
+def _shard_box(p):
+    """(local shape, global offset) of this rank's shard of DTensor p."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    return compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+
+
 def _local_step_view(p, st, quantized, block_size, index):
     """What the step works on for a DTensor parameter p (module comment above):
     (param, state, seed index, gathered). param: a plain tensor aliasing p's local shard, with
@@ -423,7 +428,7 @@ def _local_step_view(p, st, quantized, block_size, index):
     else:
         lp = p.to_local().detach()           # an alias: the step writes p's local shard
         lp.grad = p.grad.to_local()
-        offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1]
+        offset = _shard_box(p)[1]
         first_block = offset[0] * (p.numel() // max(p.shape[0], 1)) // block_size if quantized else 0
         sidx = index + first_block * _SHARD_SEED_STRIDE
     local = {k: (v.to_local().view(-1) if quantized else v.to_local()) if torch.is_tensor(v) else v
@@ -440,7 +445,7 @@ def _write_back(p, st, lp, local, gathered):
         if dst is not None and v.data_ptr() != dst.data_ptr():
             dst.copy_(v.reshape(-1))
     if gathered:
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        shape, offset = _shard_box(p)
         p.to_local().copy_(lp[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 

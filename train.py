@@ -440,16 +440,34 @@ def setup_model(args, proc, batches):
     return model, replaced
 
 
-def shard_model(model):
+def shard_model(model, world):
     """FSDP2: fully_shard each transformer block, then the root (embeddings, final norm, LM head),
-    in place. Parameters become DTensors sharded on dim 0 and are all-gathered around each block's
-    forward and backward, so GaussWS layers see the whole weight and b_i (their noise counters are
-    buffers, replicated and advancing alike on every rank: R is the unsharded layer's). The master
-    weights stay FP32 and autocast runs inside, as without FSDP2."""
+    in place; with one rank only the root (one unit: per-block all-gathers would save no memory
+    and cost a collective round per block and pass). Parameters become DTensors sharded on dim 0
+    and are all-gathered around each unit's forward and backward, so GaussWS layers see the whole
+    weight and b_i (their noise counters are buffers, replicated and advancing alike on every
+    rank: R is the unsharded layer's). The master weights stay FP32 and autocast runs inside, as
+    without FSDP2."""
     from torch.distributed.fsdp import fully_shard
-    for block in model.blocks:
-        fully_shard(block)
+    if world > 1:
+        for block in model.blocks:
+            fully_shard(block)
     fully_shard(model)
+
+
+def clip_grad_norm_local(params, max_norm, world):
+    """torch.nn.utils.clip_grad_norm_ for FSDP2 (DTensor) gradients, with the plain path's own
+    operations on each rank's shards (get_total_norm, one foreach multiply): the
+    squared norm is all-reduced over the ranks, not at all with one rank, so one rank gives the
+    plain path's norm and clipping bit for bit. Returns the global norm (a 0-dim tensor)."""
+    grads = [p.grad.to_local() for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if world > 1:
+        total = total.square()
+        dist.all_reduce(total)
+        total = total.sqrt()
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
 
 
 def full_tensor(t):
@@ -820,11 +838,12 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
                 loss_sum += loss.detach()
             if proc.ddp:
                 dist.all_reduce(loss_sum)  # SUM (gloo has no AVG); divided by world below
-            gnorm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                                   args.grad_clip if args.grad_clip > 0 else float("inf"))
+            clip = args.grad_clip if args.grad_clip > 0 else float("inf")
+            gnorm = (clip_grad_norm_local(raw_model.parameters(), clip, proc.world) if args.fsdp
+                     else torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            stats = [loss_sum / (accum * proc.world), full_tensor(gnorm).float()]
+            stats = [loss_sum / (accum * proc.world), gnorm.float()]
             if bits:
                 stats.append(mean_bt(bits, args.b_init, args.b_target))
             log.step(it, lr, torch.stack(stats))
@@ -1247,7 +1266,7 @@ def main(argv=None):
             return next((r for r in reversed(log) if r.get("type") == "summary"), None)
         say_setup(args, proc, batches, model, replaced)
         if args.fsdp:
-            shard_model(model)
+            shard_model(model, proc.world)
         optimizer = build_optimizer(args, model, proc.device_type)
         start_iter, best_val = 0, math.inf
         if ckpt is not None:
