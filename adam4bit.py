@@ -407,46 +407,52 @@ def _local_state(p, shape, local_rows, dtype, replicated):
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _shard_box(p):
-    """(local shape, global offset) of this rank's shard of DTensor p."""
+def _local(t):
+    # the local tensor that DTensor.to_local() returns under no_grad, read directly: to_local()
+    # costs ~30 us a call (DTensor's dispatch), several calls per parameter and step
+    return t._local_tensor
+
+
+def _shard_layout(p, quantized, block_size):
+    """(gathered, seed-index offset, (local shape, global offset)) of DTensor p: fixed for a
+    parameter, so AdamW4bit caches it (the offset computation costs ~50 us)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    return compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-
-
-def _local_step_view(p, st, quantized, block_size, index):
-    """What the step works on for a DTensor parameter p (module comment above):
-    (param, state, seed index, gathered). param: a plain tensor aliasing p's local shard, with
-    .grad the local gradient; or, gathered, the all-gathered tensor (a collective: every rank
-    calls it in the same order). state: plain tensors aliasing st's local states, flat for the
-    quantized ones (the step's layout). The caller copies replaced states and a gathered
-    param's shard back with _write_back."""
+    box = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     gathered = quantized and not _rows_of_blocks(p, block_size)
+    first_block = box[1][0] * (p.numel() // max(p.shape[0], 1)) // block_size if quantized else 0
+    return gathered, 0 if gathered else first_block * _SHARD_SEED_STRIDE, box
+
+
+def _local_step_view(p, st, quantized, layout):
+    """What the step works on for a DTensor parameter p (module comment above), given its
+    _shard_layout: (param, state, gathered). param: a plain tensor aliasing p's local shard,
+    with .grad the local gradient; or, gathered, the all-gathered tensor (a collective: every
+    rank calls it in the same order). state: plain tensors aliasing st's local states, flat for
+    the quantized ones (the step's layout). The caller copies replaced states and a gathered
+    param's shard back with _write_back."""
+    gathered = layout[0]
     if gathered:
         lp = p.full_tensor()
         lp.grad = p.grad.full_tensor()
-        sidx = index
     else:
-        lp = p.to_local().detach()           # an alias: the step writes p's local shard
-        lp.grad = p.grad.to_local()
-        offset = _shard_box(p)[1]
-        first_block = offset[0] * (p.numel() // max(p.shape[0], 1)) // block_size if quantized else 0
-        sidx = index + first_block * _SHARD_SEED_STRIDE
-    local = {k: (v.to_local().view(-1) if quantized else v.to_local()) if torch.is_tensor(v) else v
+        lp = _local(p).detach()              # an alias: the step writes p's local shard
+        lp.grad = _local(p.grad)
+    local = {k: (_local(v).view(-1) if quantized else _local(v)) if torch.is_tensor(v) else v
              for k, v in st.items()}
-    return lp, local, sidx, gathered
+    return lp, local, gathered
 
 
-def _write_back(p, st, lp, local, gathered):
+def _write_back(p, st, lp, local, gathered, box):
     """After the step on _local_step_view's (lp, local): copy the states that the step replaced
     (the reference step stores new tensors) into st's local tensors, and a gathered param's own
-    shard into p."""
+    shard (box: its local shape and global offset) into p."""
     for k, v in local.items():
-        dst = st[k].to_local().view(-1) if torch.is_tensor(v) else None
+        dst = _local(st[k]).view(-1) if torch.is_tensor(v) else None
         if dst is not None and v.data_ptr() != dst.data_ptr():
             dst.copy_(v.reshape(-1))
     if gathered:
-        shape, offset = _shard_box(p)
-        p.to_local().copy_(lp[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        shape, offset = box
+        _local(p).copy_(lp[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
 # ============================================================================================
@@ -599,6 +605,7 @@ class AdamW4bit(torch.optim.Optimizer):
                 if impl == "triton":
                     raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
         self._kernel_cache = {}    # adamw4bit_step_triton's device tables and launch tables
+        self._shard_layouts = {}   # id(DTensor parameter) -> _shard_layout
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
@@ -768,9 +775,12 @@ class AdamW4bit(torch.optim.Optimizer):
                 t = int(st["step"])
                 quantized, m_rule, sidx = self.is_quantized(p), self.m_rounding_for(p), index
                 if _is_dtensor(p):   # FSDP2: step this rank's shard (or the gathered tensor)
-                    dp, dst = p, st
-                    p, st, sidx, gathered = _local_step_view(p, st, quantized, self.qcfg["block_size"], index)
-                    writeback.append((dp, dst, p, st, gathered))
+                    layout = self._shard_layouts.get(id(p))
+                    if layout is None:
+                        layout = self._shard_layouts[id(p)] = _shard_layout(p, quantized, self.qcfg["block_size"])
+                    dp, dst, sidx = p, st, index + layout[1]
+                    p, st, gathered = _local_step_view(p, st, quantized, layout)
+                    writeback.append((dp, dst, p, st, gathered, layout[2]))
                     if p.numel() == 0:   # fewer rows than ranks: nothing here
                         continue
                 if not quantized:

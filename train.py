@@ -470,11 +470,6 @@ def clip_grad_norm_local(params, max_norm, world):
     return total
 
 
-def full_tensor(t):
-    """The whole tensor of a DTensor (an all-gather: every rank calls it), else t."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 @contextlib.contextmanager
 def unsharded(model, fsdp):
     """Under FSDP2, the model's parameters all-gathered (plain tensors) inside the block."""
@@ -845,14 +840,14 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
             optimizer.zero_grad(set_to_none=True)
             stats = [loss_sum / (accum * proc.world), gnorm.float()]
             if bits:
-                stats.append(mean_bt(bits, args.b_init, args.b_target))
+                stats.append(mean_bt(bits, args.b_init, args.b_target, proc.world))
             log.step(it, lr, torch.stack(stats))
             it += 1
             log.bar.update(1)
     finally:
         interrupts.restore()
         log.bar.close()
-    bt = mean_bt(bits, args.b_init, args.b_target)
+    bt = mean_bt(bits, args.b_init, args.b_target, proc.world)
     return log.finish(it, raw_model, optimizer, bt.item() if bt is not None else None)
 
 
@@ -861,12 +856,20 @@ def bits_params(model):
     return [p for n, p in model.named_parameters() if n.endswith("b_i")]
 
 
-def mean_bt(bits_params, b_init, b_target):
+def mean_bt(bits_params, b_init, b_target, world=1):
     """Mean tile bitwidth b_t over all PQT tiles (paper A eq. 11: b_t = b_target + b_i (b_init - b_target)),
-    as a 0-dim tensor (no device sync)."""
+    as a 0-dim tensor (no device sync). FSDP2 (DTensor b_i, `world` ranks): each rank's shards,
+    summed over the ranks in one all-reduce (none with one rank)."""
     if not bits_params:
         return None
-    b_i = torch.cat([full_tensor(p.detach()).flatten() for p in bits_params]).float().mean()
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in bits_params]
+    b_i = torch.cat([x.flatten() for x in local]).float()
+    if world > 1 and hasattr(bits_params[0], "to_local"):
+        total = torch.stack([b_i.sum(), torch.tensor(float(b_i.numel()), device=b_i.device)])
+        dist.all_reduce(total)
+        b_i = total[0] / total[1]
+    else:
+        b_i = b_i.mean()
     return b_target + b_i * (b_init - b_target)
 
 
