@@ -407,12 +407,6 @@ def _local_state(p, shape, local_rows, dtype, replicated):
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _local(t):
-    # the local tensor that DTensor.to_local() returns under no_grad, read directly: to_local()
-    # costs ~30 us a call (DTensor's dispatch), several calls per parameter and step
-    return t._local_tensor
-
-
 def _shard_layout(p, quantized, block_size):
     """(gathered, seed-index offset, (local shape, global offset)) of DTensor p: fixed for a
     parameter, so AdamW4bit caches it (the offset computation costs ~50 us)."""
@@ -435,9 +429,9 @@ def _local_step_view(p, st, quantized, layout):
         lp = p.full_tensor()
         lp.grad = p.grad.full_tensor()
     else:
-        lp = _local(p).detach()              # an alias: the step writes p's local shard
-        lp.grad = _local(p.grad)
-    local = {k: (_local(v).view(-1) if quantized else _local(v)) if torch.is_tensor(v) else v
+        lp = p.to_local().detach()              # an alias: the step writes p's local shard
+        lp.grad = p.grad.to_local()
+    local = {k: (v.to_local().view(-1) if quantized else v.to_local()) if torch.is_tensor(v) else v
              for k, v in st.items()}
     return lp, local, gathered
 
@@ -447,12 +441,12 @@ def _write_back(p, st, lp, local, gathered, box):
     (the reference step stores new tensors) into st's local tensors, and a gathered param's own
     shard (box: its local shape and global offset) into p."""
     for k, v in local.items():
-        dst = _local(st[k]).view(-1) if torch.is_tensor(v) else None
+        dst = st[k].to_local().view(-1) if torch.is_tensor(v) else None
         if dst is not None and v.data_ptr() != dst.data_ptr():
             dst.copy_(v.reshape(-1))
     if gathered:
         shape, offset = box
-        _local(p).copy_(lp[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        p.to_local().copy_(lp[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
 # ============================================================================================
