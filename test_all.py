@@ -3412,6 +3412,22 @@ def test_train_fsdp_resumes_on_another_world_size_and_matches_one_process(corpus
     assert abs(summary["final_val_loss"] - plain["final_val_loss"]) < 1e-4
 
 
+def test_fsdp_checkpoint_folder_fallback_and_refusals(tmp_path):
+    """A crash between save_dcp_checkpoint's two renames leaves ckpt.old and ckpt.tmp: --resume
+    takes ckpt.old (complete), never ckpt.tmp; a folder without train.json is refused in one
+    line, and so is a --fsdp folder resumed without --fsdp."""
+    args = argparse.Namespace(out_dir=str(tmp_path), fsdp=True, resume="auto")
+    os.makedirs(tmp_path / "ckpt.old")
+    os.makedirs(tmp_path / "ckpt.tmp")
+    assert train.resume_path(args) == str(tmp_path / "ckpt.old")
+    os.makedirs(tmp_path / "ckpt")
+    assert train.resume_path(args) == str(tmp_path / "ckpt")
+    with pytest.raises(train.RunError, match="not a complete train.py --fsdp checkpoint folder"):
+        train.load_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(train.RunError, match="resume it with --fsdp"):
+        train.resume(argparse.Namespace(fsdp=False, resume=str(tmp_path / "ckpt")), {"dcp": "x"}, None, None, "cpu")
+
+
 @pytest.mark.parametrize("flags, env, words", [
     (["--fsdp"], {}, ["--fsdp", "torchrun"]),
     (["--fsdp", "--optim", "adam-mini"], {"RANK": "0"}, ["--fsdp", "adam-mini", "zipsr"]),
