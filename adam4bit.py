@@ -556,6 +556,8 @@ class AdamW4bit(torch.optim.Optimizer):
 
     State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise.
+    FSDP2 (fully_shard) parameters: eligibility from the global tensor, each rank steps its
+    shard, states are DTensors that DCP reshards (see "FSDP2 (DTensor) parameters" above).
     state["step"] is a Python float (as in torch.optim before 1.12): no tensor op per parameter
     and step.
     A NaN or Inf gradient element poisons its whole block of block_size elements, where

@@ -3388,7 +3388,14 @@ def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
 # train.py --fsdp (2 gloo processes through _launch, as torchrun would start them)
 
 def _fsdp_train_py(rank, world, tmp, argv):
-    return train.main(argv)
+    # train.main ends by destroying the process group; that is left to _rank_main, after the
+    # result is written (a teardown abort must not hide a finished run, see _launch)
+    import torch.distributed as dist
+    destroy, dist.destroy_process_group = dist.destroy_process_group, lambda *a, **k: None
+    try:
+        return train.main(argv)
+    finally:
+        dist.destroy_process_group = destroy
 
 
 def test_train_fsdp_resumes_on_another_world_size_and_matches_one_process(corpus, tmp_path):
