@@ -57,6 +57,11 @@ import triton.language as tl
 from codebooks import get_codebook
 from philox import philox
 
+try:                       # FSDP2 parameters are DTensors; builds without torch.distributed have none
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:
+    DTensor = None
+
 # ============================================================================================
 # The block quantizer (reference): Def. 3, Appendix A.2, eq. 3.2
 
@@ -360,6 +365,91 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
 
 
 # ============================================================================================
+# FSDP2 (DTensor) parameters: the step runs on each rank's local shard
+#
+# fully_shard makes every parameter a DTensor sharded on dim 0 (Shard(0); HSDP adds Replicate
+# mesh dims): a rank holds a contiguous range of rows. Eligibility for 4-bit states is decided on
+# the global tensor (DTensor.numel() is the global count), so a tensor's state precision never
+# depends on the number of ranks. When a row holds whole blocks (numel / size(0) a multiple of
+# block_size) every shard is whole blocks at the same global positions for any world size, even
+# and uneven shards alike: the states are DTensors of shape (rows, row_numel / 2) codes and
+# (rows, row_numel / block_size) scales, sharded like the parameter, and each rank steps its own
+# rows. Otherwise (1-D tensors, rows that split blocks, other placements) the shard boundaries may
+# cut a block, so the tensor takes a gathered step: every rank all-gathers param and grad, steps
+# the whole tensor with replicated states (the same bits on every rank) and keeps its own shard;
+# these tensors keep the memory of an unsharded optimizer. SR bits: each local shard draws its own
+# stream (its seed index moves with its global block offset), the same bits as the unsharded run
+# only on the shard at offset 0, so SR runs agree with 1 rank in distribution, not bit for bit.
+
+_SHARD_SEED_STRIDE = 4099      # seed-index step per block of global offset (a prime, so shards
+                               # of one tensor and other parameters' indices rarely meet)
+
+
+def _is_dtensor(x):
+    return DTensor is not None and isinstance(x, DTensor)
+
+
+def _rows_of_blocks(p, block_size):
+    """True if every shard of DTensor p is whole rows of whole blocks: all placements Shard(0) or
+    Replicate, and numel / size(0) a multiple of block_size (p has >= 2 dims)."""
+    return (p.dim() >= 2 and p.shape[0] > 0 and (p.numel() // p.shape[0]) % block_size == 0
+            and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements))
+
+
+def _local_state(p, shape, local_rows, dtype, replicated):
+    """A zero DTensor state of global `shape`: sharded like p by rows (local_rows of them here),
+    or replicated on p's mesh (the gathered step's states)."""
+    if replicated:
+        local = torch.zeros(shape, dtype=dtype, device=p.device)
+        return DTensor.from_local(local, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+    local = torch.zeros((local_rows, *shape[1:]), dtype=dtype, device=p.device)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _shard_layout(p, quantized, block_size):
+    """(gathered, seed-index offset, (local shape, global offset)) of DTensor p: fixed for a
+    parameter, so AdamW4bit caches it (the offset computation costs ~50 us)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    box = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    gathered = quantized and not _rows_of_blocks(p, block_size)
+    first_block = box[1][0] * (p.numel() // max(p.shape[0], 1)) // block_size if quantized else 0
+    return gathered, 0 if gathered else first_block * _SHARD_SEED_STRIDE, box
+
+
+def _local_step_view(p, st, quantized, layout):
+    """What the step works on for a DTensor parameter p (module comment above), given its
+    _shard_layout: (param, state, gathered). param: a plain tensor aliasing p's local shard,
+    with .grad the local gradient; or, gathered, the all-gathered tensor (a collective: every
+    rank calls it in the same order). state: plain tensors aliasing st's local states, flat for
+    the quantized ones (the step's layout). The caller copies replaced states and a gathered
+    param's shard back with _write_back."""
+    gathered = layout[0]
+    if gathered:
+        lp = p.full_tensor()
+        lp.grad = p.grad.full_tensor()
+    else:
+        lp = p.to_local().detach()              # an alias: the step writes p's local shard
+        lp.grad = p.grad.to_local()
+    local = {k: (v.to_local().view(-1) if quantized else v.to_local()) if torch.is_tensor(v) else v
+             for k, v in st.items()}
+    return lp, local, gathered
+
+
+def _write_back(p, st, lp, local, gathered, box):
+    """After the step on _local_step_view's (lp, local): copy the states that the step replaced
+    (the reference step stores new tensors) into st's local tensors, and a gathered param's own
+    shard (box: its local shape and global offset) into p."""
+    for k, v in local.items():
+        dst = st[k].to_local().view(-1) if torch.is_tensor(v) else None
+        if dst is not None and v.data_ptr() != dst.data_ptr():
+            dst.copy_(v.reshape(-1))
+    if gathered:
+        shape, offset = box
+        p.to_local().copy_(lp[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+
+
+# ============================================================================================
 # The optimizer
 
 # Paper B, Table 2. m is always rounded in state space; v's rounding names "coord-rule".
@@ -470,6 +560,8 @@ class AdamW4bit(torch.optim.Optimizer):
 
     State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise.
+    FSDP2 (fully_shard) parameters: eligibility from the global tensor, each rank steps its
+    shard, states are DTensors that DCP reshards (see "FSDP2 (DTensor) parameters" above).
     state["step"] is a Python float (as in torch.optim before 1.12): no tensor op per parameter
     and step.
     A NaN or Inf gradient element poisons its whole block of block_size elements, where
@@ -513,6 +605,7 @@ class AdamW4bit(torch.optim.Optimizer):
                 if impl == "triton":
                     raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
         self._kernel_cache = {}    # adamw4bit_step_triton's device tables and launch tables
+        self._shard_layouts = {}   # id(DTensor parameter) -> _shard_layout
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
@@ -582,7 +675,16 @@ class AdamW4bit(torch.optim.Optimizer):
     def _init_state(self, p, group=None):
         st = self.state[p]
         st["step"] = 0.0        # a Python number: no tensor op per parameter and step
-        if self.is_quantized(p, group):
+        q = self.is_quantized(p, group)
+        if q and _is_dtensor(p):   # FSDP2: see _local_step_view
+            B, rows = self.qcfg["block_size"], p.shape[0]
+            sharded = _rows_of_blocks(p, B)
+            shapes = ((rows, p.numel() // rows // 2), (rows, p.numel() // rows // B)) if sharded else \
+                ((p.numel() // 2,), (p.numel() // B,))
+            for k in ("exp_avg", "exp_avg_sq"):
+                for key, shape, dt in ((k, shapes[0], torch.uint8), (k + "_scale", shapes[1], torch.float32)):
+                    st[key] = _local_state(p, shape, p.to_local().shape[0], dt, not sharded)
+        elif q:
             n, B = p.numel(), self.qcfg["block_size"]
             for k in ("exp_avg", "exp_avg_sq"):
                 # scale 0 decodes every code to 0: the zero initial moments of AdamW
@@ -595,8 +697,10 @@ class AdamW4bit(torch.optim.Optimizer):
 
     def state_nbytes(self):
         """Persistent optimizer-state bytes: codes, scales and FP32 moments (the scalar step
-        counters are not counted). 1.0625 B/param on quantized tensors, 8 on FP32 ones."""
-        return sum(t.numel() * t.element_size() for st in self.state.values()
+        counters are not counted). 1.0625 B/param on quantized tensors, 8 on FP32 ones. For
+        FSDP2 (DTensor) states: the bytes this rank holds."""
+        local = lambda t: t.to_local() if _is_dtensor(t) else t   # noqa: E731
+        return sum(local(t).numel() * t.element_size() for st in self.state.values()
                    for k, t in st.items() if k != "step" and torch.is_tensor(t))
 
     def _params(self):
@@ -609,12 +713,22 @@ class AdamW4bit(torch.optim.Optimizer):
         sd["adam4bit"] = {k: self.qcfg[k] for k in sorted(self.qcfg)}
         sd["adam4bit_extra"] = dict(seed=self.seed, progress=self.progress, lm_head=[
             i for i, p in enumerate(self._params()) if id(p) in self._lm_head])
+        # torch.distributed.checkpoint's get_/set_optimizer_state_dict keep only "state" and
+        # "param_groups": every saved group carries both entries too, for load_state_dict
+        for g in sd["param_groups"]:
+            g["adam4bit"] = dict(config=sd["adam4bit"], extra=sd["adam4bit_extra"])
         return sd
 
     def load_state_dict(self, state_dict):
         """Load a state_dict() of an AdamW4bit with the same preset, components and block_size;
         packed codes and scales are restored exactly (and moved to each parameter's device).
+        Also takes the {"state", "param_groups"} dict of set_optimizer_state_dict
+        (torch.distributed.checkpoint): the configuration then comes from the groups.
         Raises ValueError for a state dict of another configuration or of another optimizer."""
+        groups = state_dict.get("param_groups", [])
+        if "adam4bit" not in state_dict and groups and "adam4bit" in groups[0]:
+            state_dict = dict(state_dict, adam4bit=groups[0]["adam4bit"]["config"],
+                              adam4bit_extra=groups[0]["adam4bit"]["extra"])
         if "adam4bit" not in state_dict:
             raise ValueError("not an AdamW4bit state dict (no 'adam4bit' entry); refusing to load")
         saved = state_dict["adam4bit"]
@@ -636,7 +750,8 @@ class AdamW4bit(torch.optim.Optimizer):
             if "exp_avg" in st and st["exp_avg"].numel() != (p.numel() // 2 if quantized else p.numel()):
                 raise ValueError(f"optimizer state of parameter {pid} ({st['exp_avg'].numel()} exp_avg "
                                  f"entries) does not fit the parameter of shape {tuple(p.shape)}")
-        super().load_state_dict({k: state_dict[k] for k in ("state", "param_groups")})
+        super().load_state_dict({"state": state_dict["state"], "param_groups": [
+            {k: v for k, v in g.items() if k != "adam4bit"} for g in groups]})
         # torch casts every state tensor to the parameter's dtype (uint8 codes too): put back the
         # saved tensors with their own dtypes, on the parameter's device.
         for pid, p in zip(saved_ids, params):
@@ -665,7 +780,7 @@ class AdamW4bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        index = 0
+        index, writeback = 0, []
         for group in self.param_groups:
             lr = group["lr"]
             lr = float(lr.item()) if torch.is_tensor(lr) else float(lr)
@@ -681,19 +796,30 @@ class AdamW4bit(torch.optim.Optimizer):
                 st = self.state[p] if self.state[p] else self._init_state(p, group)
                 st["step"] += 1
                 t = int(st["step"])
-                if not self.is_quantized(p, group):
+                quantized, m_rule, sidx = self.is_quantized(p, group), self.m_rounding_for(p), index
+                if _is_dtensor(p):   # FSDP2: step this rank's shard (or the gathered tensor)
+                    layout = self._shard_layouts.get(id(p))
+                    if layout is None:
+                        layout = self._shard_layouts[id(p)] = _shard_layout(p, quantized, self.qcfg["block_size"])
+                    dp, dst, sidx = p, st, index + layout[1]
+                    p, st, gathered = _local_step_view(p, st, quantized, layout)
+                    writeback.append((dp, dst, p, st, gathered, layout[2]))
+                    if p.numel() == 0:   # fewer rows than ranks: nothing here
+                        continue
+                if not quantized:
                     fp32.append((p, st, t))
                     continue
-                m_rule = self.m_rounding_for(p)
                 if self._use_triton(p, interp):
-                    quant.setdefault((t, p.grad.dtype, m_rule), []).append((p, st, index))
+                    quant.setdefault((t, p.grad.dtype, m_rule), []).append((p, st, sidx))
                 else:
                     adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule,
-                                         _sr_seed(self.seed, t, index))
+                                         _sr_seed(self.seed, t, sidx))
             _adamw_fp32_steps(fp32, *hp)
             for (t, _, m_rule), items in quant.items():
                 adamw4bit_step_triton(items, *hp, t, self.qcfg, m_rule, _seed_of_step(self.seed, t),
                                       self._kernel_tabs, self._kernel_cache)
+        for args in writeback:
+            _write_back(*args)
         return loss
 
     def _use_triton(self, p, interp):

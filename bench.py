@@ -10,6 +10,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only train    # GPT-2-124M compiled: bf16 vs GaussWS vs plain-PyTorch eq. 3
     python bench.py --only train --table1 --compile   # + paper A Table 1 (llama-134m ... 70b-4l)
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
+    python bench.py --only fsdp              # train.py --fsdp under torchrun vs the plain path, same GPUs
 
 The paper-reproduction runs and the figures live in experiments.py; these two run its code:
 
@@ -610,6 +611,53 @@ def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
                 one=out[1], many=out[nproc], nproc=nproc)
 
 
+def bench_fsdp(train_args, out_dir="out-fsdp", nproc=1, reps=2):
+    """train.py in one process and train.py --fsdp under torchrun with nproc processes, the same
+    flags, alternated `reps` times (the GPU's clock drifts between runs). With nproc = 1 the FSDP2
+    path must give the plain path's numbers: the step losses, grad norms and final weights are
+    compared exactly (the DCP folder read back with dcp_to_torch_save). Returns both runs'
+    losses, tokens/s per repetition and the differences."""
+    import subprocess
+    import sys
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    out = {"plain": [], "fsdp": []}
+    for rep in range(reps):
+        for kind in ("plain", "fsdp"):
+            run_dir = os.path.join(out_dir, f"{kind}{rep}")
+            launch = [sys.executable] if kind == "plain" else [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+            extra = ["--fsdp"] if kind == "fsdp" else []
+            r = subprocess.run([*launch, os.path.join(here, "train.py"), *train_args, *extra, "--out_dir", run_dir,
+                                "--overwrite"], env=env, capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"{kind} run failed:\n{r.stderr[-3000:]}")
+            with open(os.path.join(run_dir, "log.jsonl")) as f:
+                recs = [json.loads(line) for line in f]
+            summary = [x for x in recs if x["type"] == "summary"][-1]
+            out[kind].append(dict(step_loss=[x["loss"] for x in recs if x["type"] == "step"],
+                                  grad_norm=[x["grad_norm"] for x in recs if x["type"] == "step"],
+                                  val_loss=[x["val_loss"] for x in recs if x["type"] == "eval"],
+                                  tokens_per_s=summary["tokens_per_s"], peak_mem_mb=summary["peak_mem_mb"]))
+    plain = torch.load(os.path.join(out_dir, "plain0", "ckpt.pt"), map_location="cpu", weights_only=True)["model"]
+    dcp_to_torch_save(os.path.join(out_dir, "fsdp0", "ckpt"), os.path.join(out_dir, "fsdp0.pt"))
+    fsdp = torch.load(os.path.join(out_dir, "fsdp0.pt"), map_location="cpu", weights_only=False)["model"]
+    a, b = out["plain"][0], out["fsdp"][0]
+    res = dict(same_keys=sorted(plain) == sorted(fsdp),
+               max_abs_weight_diff=max((plain[k].double() - fsdp[k].double()).abs().max().item() for k in plain),
+               max_abs_step_loss_diff=max(abs(x - y) for x, y in zip(a["step_loss"], b["step_loss"])),
+               max_abs_grad_norm_diff=max(abs(x - y) for x, y in zip(a["grad_norm"], b["grad_norm"])),
+               tokens_per_s={k: [r["tokens_per_s"] for r in v] for k, v in out.items()})
+    tp = res["tokens_per_s"]
+    res["fsdp_step_time_vs_plain"] = (sum(tp["plain"]) / len(tp["plain"])) / (sum(tp["fsdp"]) / len(tp["fsdp"])) - 1
+    print(f"FSDP2 x{nproc} vs plain: weights max |d| {res['max_abs_weight_diff']:.3g}, step loss max |d| "
+          f"{res['max_abs_step_loss_diff']:.3g}, grad norm max |d| {res['max_abs_grad_norm_diff']:.3g}; tokens/s "
+          f"plain {tp['plain']}, fsdp {tp['fsdp']}: FSDP2 step time {100 * res['fsdp_step_time_vs_plain']:+.2f} %")
+    return dict(command=f"python bench.py --only fsdp  # train.py {' '.join(train_args)}", nproc=nproc,
+                plain=out["plain"], fsdp=out["fsdp"], **res)
+
+
 # ---------------------------------------------------------------------------------------------
 # result files and command line
 
@@ -630,12 +678,12 @@ def save(section, result, path=None):
 def build_parser():
     ap = argparse.ArgumentParser(prog="bench.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "noise", "train", "memory", "ddp", "quality", "plots"],
+    ap.add_argument("--only", choices=["optim", "noise", "train", "memory", "ddp", "fsdp", "quality", "plots"],
                     default=None, help="run one section (default: all but ddp and quality); quality and "
                                        "plots run experiments.py's code")
     ap.add_argument("--dataset", default="stdlib", help="--only ddp/quality: train.py's --dataset")
     ap.add_argument("--iters", type=int, default=None,
-                    help="--only ddp: training steps (default 300); --only quality: train.py --max_iters "
+                    help="--only ddp: training steps (default 300); --only fsdp: (default 40); --only quality: train.py --max_iters "
                          "instead of --tokens_per_param")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
     ap.add_argument("--compile", action="store_true", help="--only train --table1: torch.compile each model (slow to start)")
@@ -682,6 +730,11 @@ def main(argv=None):
         save("ddp", bench_ddp(["--preset", "gpt2-124m", "--dataset", args.dataset, "--batch_size", "16",
                                "--grad_accum", "2", "--max_iters", str(args.iters or 300), "--eval_interval", "50",
                                "--eval_windows", "64", "--no-plot"]))
+    if args.only == "fsdp":   # GaussWS + ZIP-SR, eager: the FSDP2 path's own cost, not compile's
+        save("fsdp", bench_fsdp(["--preset", "gpt2-124m", "--dataset", args.dataset, "--tokenizer", "byte",
+                                 "--method", "gaussws", "--optim", "zipsr", "--batch_size", "16",
+                                 "--grad_accum", "2", "--max_iters", str(args.iters or 40), "--eval_interval",
+                                 "1000", "--eval_windows", "16", "--no-compile", "--no-plot"]))
 
 
 if __name__ == "__main__":

@@ -1170,6 +1170,12 @@ class GaussWSLinear(nn.Linear):
     RuntimeError in that backward); eval mode uses w itself (no noise) unless
     `sample_in_eval` is set, in which case it samples with the current state without advancing
     it. `reset_parameters()` initialises weight, bias, b_i and noise_state as at construction.
+
+    Under FSDP2 (fully_shard) weight, bias and b_i are sharded between forwards and all-gathered
+    around this layer's forward and backward, so the layer samples from the whole weight and
+    b_t; noise_state, a buffer, is not sharded: every rank holds it and advances it alike. R,
+    w_hat and the gradients are the unsharded layer's bit for bit (test_all.py checks it on 2
+    ranks); no code here depends on the sharding.
     """
 
     def __init__(self, in_features, out_features, bias=True, method="gaussws", b_init=6.0,

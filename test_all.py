@@ -1133,6 +1133,187 @@ def test_gpu_fused_adamw4bit_step_bit_identical_to_reference():
             assert torch.equal(o_c2.state[a][k], o_g.state[b][k].cpu()), (tuple(a.shape), k)
 
 
+# ---------------------------------------------------------------------------------------------
+# FSDP2 (fully_shard, DTensor parameters) and torch.distributed.checkpoint, 2 gloo processes on CPU
+
+def _rank_main(fn, tmp, rank, world):
+    """Body of one rank started by _launch: join the gloo group of `world` processes through a
+    file store, run fn(rank, world, tmp) and write its result to tmp/fn.rank.pt (atomically)."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store-{fn}-{world}", rank=rank, world_size=world)
+    args = torch.load(f"{tmp}/{fn}.{world}.args.pt") if os.path.exists(f"{tmp}/{fn}.{world}.args.pt") else ()
+    res = globals()[fn](rank, world, tmp, *args)
+    torch.save(res, f"{tmp}/{fn}.{world}.{rank}.tmp")
+    os.replace(f"{tmp}/{fn}.{world}.{rank}.tmp", f"{tmp}/{fn}.{world}.{rank}.pt")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _launch(fn, tmp, world, *args, timeout=300):
+    """Run fn(rank, world, tmp, *args) on `world` fresh processes (_rank_main; RANK, WORLD_SIZE,
+    LOCAL_RANK set as torchrun does) and return their results, rank by rank. A
+    rank is judged by the result file it wrote, not by its exit status: gloo on CPU sometimes
+    aborts (SIGABRT) in process-group teardown, after the results are written, and that is not a
+    failure of what is tested. A rank that wrote nothing fails the test with its stderr."""
+    if args:
+        torch.save(args, os.path.join(str(tmp), f"{fn}.{world}.args.pt"))
+    code = f"import test_all; test_all._rank_main({fn!r}, {str(tmp)!r}, {{}}, {world})"
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(r)], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              env=dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", RANK=str(r),
+                                       LOCAL_RANK=str(r), WORLD_SIZE=str(world)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:       # a rank left waiting in a collective after the other one died
+            if p.poll() is None:
+                p.kill()
+    results = []
+    for r, (p, (_, err)) in enumerate(zip(procs, outs)):
+        path = os.path.join(str(tmp), f"{fn}.{world}.{r}.pt")
+        assert os.path.exists(path), f"{fn}: rank {r} of {world} exited with {p.returncode} before " \
+                                     f"writing its result:\n{err[-4000:]}"
+        results.append(torch.load(path, weights_only=False))
+    return results
+
+
+# shapes: whole-row blocks, even (40 rows) and uneven (33 rows) on 2 ranks; rows that split
+# blocks (64 elements) and a 1-D tensor (the gathered step); an FP32-state vector
+_FSDP_SHAPES = [(40, 256), (33, 128), (96, 64), (4096,), (33,)]
+_FSDP_PRESETS = ("torchao", "zeeden")     # the RTN presets: bit-identical for any world size
+
+
+class _Quadratic(nn.Module):
+    """sum_i c_i (p_i - x_i)², one parameter per shape (initial values from `seed`)."""
+
+    def __init__(self, seed=0, shapes=_FSDP_SHAPES):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(s, generator=g)) for s in shapes])
+
+    def forward(self, xs):
+        return sum((((p - x) ** 2) * (i + 1)).sum() for i, (p, x) in enumerate(zip(self.ps, xs)))
+
+
+def _quadratic_steps(model, opt, first, last):
+    """Steps first..last-1 with targets drawn from the step number (the same on every rank)."""
+    for s in range(first, last):
+        g = torch.Generator().manual_seed(1000 + s)
+        model([torch.randn(x.shape, generator=g) for x in model.ps]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model):
+    from torch.distributed.tensor import DTensor
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
+
+
+def _fsdp_quadratic(preset, seed=0, impl="torch", shapes=_FSDP_SHAPES):
+    from torch.distributed.fsdp import fully_shard
+    model = fully_shard(_Quadratic(seed, shapes))
+    return model, A.AdamW4bit(model.parameters(), lr=1e-2, preset=preset, impl=impl)
+
+
+def _fsdp_train_and_save(rank, world, tmp):
+    # 3 steps, a DCP checkpoint, 2 more steps (the reference step on the local shards); one step of
+    # the fused kernel (interpreter, ~10 s a step) on the local shards; GaussWS layers in
+    # fully_shard units (_fsdp_gaussws, in the gaussws.py section)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    res = {"gaussws": _fsdp_gaussws()}
+    model, opt = _fsdp_quadratic("torchao", impl="triton", shapes=_FSDP_SHAPES[:2])   # the row-sharded ones
+    _quadratic_steps(model, opt, 0, 1)
+    res["triton", 1] = _full(model)
+    for preset in _FSDP_PRESETS:
+        model, opt = _fsdp_quadratic(preset)
+        _quadratic_steps(model, opt, 0, 3)
+        res[preset, 3] = _full(model)
+        res[preset, "quantized"] = [opt.is_quantized(p) for p in model.parameters()]
+        res[preset, "local"] = [{k: tuple(v.to_local().shape) for k, v in opt.state[p].items() if k != "step"}
+                                for p in model.parameters()]
+        res[preset, "nbytes"] = opt.state_nbytes()
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=os.path.join(tmp, f"dcp-{preset}"))
+        _quadratic_steps(model, opt, 3, 5)
+        res[preset, 5] = _full(model)
+    return res
+
+
+def _fsdp_load_and_continue(rank, world, tmp):
+    # a fresh model (other initial values) and optimizer load the 2-rank checkpoint, then 2 steps
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    res = {}
+    for preset in _FSDP_PRESETS:
+        model, opt = _fsdp_quadratic(preset, seed=1)
+        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(sd, checkpoint_id=os.path.join(tmp, f"dcp-{preset}"))
+        set_model_state_dict(model, sd["model"])
+        set_optimizer_state_dict(model, opt, sd["optim"])
+        res[preset, "steps"] = [opt.state[p]["step"] for p in model.parameters()]
+        _quadratic_steps(model, opt, 3, 5)
+        res[preset, 5] = _full(model)
+    return res
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """The 2-rank run with its checkpoints, and the runs that load them on 1 and on 2 ranks."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    saved = _launch("_fsdp_train_and_save", tmp, 2)
+    return saved, _launch("_fsdp_load_and_continue", tmp, 1), _launch("_fsdp_load_and_continue", tmp, 2)
+
+
+def _plain_quadratic(preset, steps, shapes=_FSDP_SHAPES):
+    model = _Quadratic(shapes=shapes)
+    opt = A.AdamW4bit(model.parameters(), lr=1e-2, preset=preset, impl="torch")
+    _quadratic_steps(model, opt, 0, steps)
+    return model, opt
+
+
+@pytest.mark.parametrize("preset", _FSDP_PRESETS)
+def test_fsdp_two_ranks_equal_one_rank_bit_for_bit(fsdp_runs, preset):
+    """fully_shard on 2 ranks gives the unsharded reference's parameters bit for bit after 1
+    step of the fused kernel on each local shard and after 3 and 5 steps of the reference step, for even, uneven and block-splitting shards;
+    eligibility comes from the global tensor, so the same tensors get 4-bit states, and the row
+    sharded ones hold only their own rows' codes and scales."""
+    saved = fsdp_runs[0]
+    model, _ = _plain_quadratic("torchao", 1, _FSDP_SHAPES[:2])
+    for rank_res in saved:       # the fused kernel (interpreter) on the local shards, one step
+        assert all(torch.equal(a.detach(), b) for a, b in zip(model.parameters(), rank_res["triton", 1]))
+    for steps in (3, 5):
+        model, opt = _plain_quadratic(preset, steps)
+        for rank_res in saved:
+            assert [opt.is_quantized(p) for p in model.parameters()] == rank_res[preset, "quantized"] \
+                == [True, True, True, True, False]
+            for a, b in zip(model.parameters(), rank_res[preset, steps]):
+                assert torch.equal(a.detach(), b), (preset, steps, tuple(a.shape))
+    for rank, rank_res in enumerate(saved):
+        local = rank_res[preset, "local"]
+        rows = (20, 17 - rank)          # torch.chunk: 40 -> 20 + 20, 33 -> 17 + 16
+        assert local[0] == {"exp_avg": (rows[0], 128), "exp_avg_scale": (rows[0], 2),
+                            "exp_avg_sq": (rows[0], 128), "exp_avg_sq_scale": (rows[0], 2)}
+        assert local[1]["exp_avg"] == (rows[1], 64) and local[1]["exp_avg_sq_scale"] == (rows[1], 1)
+        assert local[2]["exp_avg"] == (3072,) and local[3]["exp_avg_scale"] == (32,)   # gathered: whole
+        assert local[4]["exp_avg"] == ((17, 16)[rank],)
+
+
+@pytest.mark.parametrize("preset", _FSDP_PRESETS)
+def test_fsdp_dcp_checkpoint_loads_on_one_and_two_ranks(fsdp_runs, preset):
+    """A DCP checkpoint written on 2 ranks (get_optimizer_state_dict, dcp.save) loads with
+    dcp.load / set_optimizer_state_dict into a fresh model on 1 rank and on 2 ranks: the packed
+    codes and scales reshard, and 2 more steps give the uninterrupted run's parameters bit for
+    bit."""
+    saved, one, two = fsdp_runs
+    for res in one + two:
+        assert res[preset, "steps"] == [3.0] * len(_FSDP_SHAPES)
+        for a, b in zip(saved[0][preset, 5], res[preset, 5]):
+            assert torch.equal(a, b), (preset, tuple(a.shape))
+
+
 # =============================================================================================
 # gaussws.py (paper A)
 
@@ -2651,6 +2832,54 @@ def test_gpu_cuda_graph_capture_advances_the_counter():
 
 
 # ---------------------------------------------------------------------------------------------
+# GaussWSLinear inside fully_shard units (FSDP2), run by fsdp_runs on 2 gloo processes
+
+def _fsdp_gaussws():
+    """Two GaussWS layers, unsharded and in fully_shard units (each layer and the root): outputs
+    and gradients of two training calls, the noise counters, and which tensors are sharded."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    torch.manual_seed(0)
+    plain = nn.Sequential(g.GaussWSLinear(64, 96, seed=3), g.GaussWSLinear(96, 40, seed=4))
+    sharded = nn.Sequential(g.GaussWSLinear(64, 96, seed=3), g.GaussWSLinear(96, 40, seed=4))
+    sharded.load_state_dict(plain.state_dict())
+    for layer in sharded:
+        fully_shard(layer)
+    fully_shard(sharded)
+    res = {"sharded": [n for n, p in sharded.named_parameters() if isinstance(p, DTensor)],
+           "buffers_plain": [n for n, b in sharded.named_buffers() if not isinstance(b, DTensor)]}
+    for name, model in (("plain", plain), ("fsdp", sharded)):
+        gen = torch.Generator().manual_seed(1)
+        outs = []
+        for _ in range(2):
+            y = model(torch.randn(8, 64, generator=gen))
+            y.square().sum().backward()
+            outs.append(y.detach())
+        res[name] = dict(out=outs, grads={n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                                          for n, p in model.named_parameters()},
+                         noise_state=[b.clone() for n, b in model.named_buffers() if n.endswith("noise_state")])
+    return res
+
+
+def test_gaussws_inside_fully_shard_equals_unsharded(fsdp_runs):
+    """GaussWSLinear in fully_shard units on 2 ranks: weight and b_i are sharded, the noise
+    counters (buffers) are replicated and advance alike, and FSDP2's all-gather before forward
+    gives each rank the whole weight and b_t, so R, w_hat, the output and the gradients of two
+    training calls equal the unsharded layers' bit for bit on both ranks."""
+    for res in fsdp_runs[0]:
+        r = res["gaussws"]
+        assert sorted(r["sharded"]) == sorted(f"{i}.{k}" for i in (0, 1) for k in ("weight", "bias", "b_i"))
+        assert sorted(r["buffers_plain"]) == ["0.noise_state", "1.noise_state"]
+        for a, b in zip(r["plain"]["out"], r["fsdp"]["out"]):
+            assert torch.equal(a, b)
+        assert r["plain"]["grads"].keys() == r["fsdp"]["grads"].keys()
+        for k in r["plain"]["grads"]:
+            assert torch.equal(r["plain"]["grads"][k], r["fsdp"]["grads"][k]), k
+        assert all(torch.equal(a, b) for a, b in zip(r["plain"]["noise_state"], r["fsdp"]["noise_state"]))
+        assert int(r["fsdp"]["noise_state"][0][1]) == 2      # two calls drew two seeds
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU-only: the compiled kernels = the reference
 
 @needs_compiled
@@ -3769,6 +3998,75 @@ def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 35
     with pytest.raises(train.RunError, match="--seed 0 \\(checkpoint\\) vs 1"):
         train.main(args + ["--max_iters", "400", "--seed", "1", "--resume"])
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py --fsdp (2 gloo processes through _launch, as torchrun would start them)
+
+def _fsdp_train_py(rank, world, tmp, argv):
+    # train.main ends by destroying the process group; that is left to _rank_main, after the
+    # result is written (a teardown abort must not hide a finished run, see _launch)
+    import torch.distributed as dist
+    destroy, dist.destroy_process_group = dist.destroy_process_group, lambda *a, **k: None
+    try:
+        return train.main(argv)
+    finally:
+        dist.destroy_process_group = destroy
+
+
+def test_train_fsdp_resumes_on_another_world_size_and_matches_one_process(corpus, tmp_path):
+    """--fsdp on 2 ranks stops at step 4 with a DCP folder (no .tmp or .old left), --resume
+    continues it on 1 rank (DCP reshards model, packed 4-bit states and scales); every step's
+    loss equals one plain process's with the same --grad_accum to float summation order (the 2
+    ranks average their two micro-batches' gradients in another order). Without PQT: under DDP
+    and FSDP2 each rank draws GaussWS noise once per step where one process draws it per
+    micro-batch."""
+    args = base_args(corpus, tmp_path / "f", "--max_iters", "6", "--eval_interval", "2", "--grad_accum", "2",
+                     "--optim", "zeeden", "--seed", "1")
+    _launch("_fsdp_train_py", tmp_path, 2, args + ["--fsdp", "--stop_after", "4"])
+    assert sorted(os.listdir(tmp_path / "f")) == ["ckpt", "log.jsonl"]
+    assert json.load(open(tmp_path / "f" / "ckpt" / "train.json"))["iter_num"] == 4
+    summary = _launch("_fsdp_train_py", tmp_path, 1, args + ["--fsdp", "--resume"])[0]
+    assert summary["start_iter"] == 4 and summary["iters"] == 6 and summary["world"] == 1
+    plain = train.main(base_args(corpus, tmp_path / "p", *args[args.index("--max_iters"):]))
+    steps = lambda d: [r["loss"] for r in read_log(d) if r["type"] == "step"]  # noqa: E731
+    assert len(steps(tmp_path / "f")) == 6
+    assert np.allclose(steps(tmp_path / "f"), steps(tmp_path / "p"), rtol=0, atol=1e-4)
+    assert abs(summary["final_val_loss"] - plain["final_val_loss"]) < 1e-4
+
+
+def test_fsdp_checkpoint_folder_fallback_and_refusals(tmp_path):
+    """A crash between save_dcp_checkpoint's two renames leaves ckpt.old and ckpt.tmp: --resume
+    takes ckpt.old (complete), never ckpt.tmp; a folder without train.json is refused in one
+    line, and so is a --fsdp folder resumed without --fsdp."""
+    args = argparse.Namespace(out_dir=str(tmp_path), fsdp=True, resume="auto")
+    os.makedirs(tmp_path / "ckpt.old")
+    os.makedirs(tmp_path / "ckpt.tmp")
+    assert train.resume_path(args) == str(tmp_path / "ckpt.old")
+    os.makedirs(tmp_path / "ckpt")
+    assert train.resume_path(args) == str(tmp_path / "ckpt")
+    with pytest.raises(train.RunError, match="not a complete train.py --fsdp checkpoint folder"):
+        train.load_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(train.RunError, match="resume it with --fsdp"):
+        train.resume(argparse.Namespace(fsdp=False, resume=str(tmp_path / "ckpt")), {"dcp": "x"}, None, None, "cpu")
+
+
+@pytest.mark.parametrize("flags, env, words", [
+    (["--fsdp"], {}, ["--fsdp", "torchrun"]),
+    (["--fsdp", "--optim", "adam-mini"], {"RANK": "0"}, ["--fsdp", "adam-mini", "zipsr"]),
+    (["--fsdp", "--bits_lambda", "0.5"], {"RANK": "0"}, ["--fsdp", "--bits_lambda 0.5", "DDP"]),
+])
+def test_fsdp_bad_flags_one_line_error(flags, env, words, capsys, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(train, "setup_distributed", lambda args: train.Process(False, 0, 1, "cpu"))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "nano", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("train.py: error:")
+    for w in words:
+        assert w in err
 
 
 # =============================================================================================

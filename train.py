@@ -9,6 +9,7 @@ Train a GPT with optional pseudo-quantization training (GaussWS / DiffQ, paper A
     python train.py --resume                            # go on from OUT_DIR/ckpt.pt
     python train.py --resume --max_iters 600            # train a finished 300-step run longer
     torchrun --standalone --nproc_per_node 2 train.py --preset gpt2-124m   # several GPUs (DDP)
+    torchrun --standalone --nproc_per_node 2 train.py --fsdp               # sharded (FSDP2)
 
 Defaults marked 'auto' depend on the device: on CPU a tiny byte-level model for a few hundred
 steps (minutes), on CUDA GPT-2 124M with the GPT-2 tokenizer, BF16 autocast and torch.compile.
@@ -36,6 +37,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -173,6 +175,10 @@ def build_parser():
                    help="CPU runs: PyTorch's intra-op threads; default: OMP_NUM_THREADS when set, else the cores "
                         "less one (at least 1), so that a busy core does not stall every op")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard parameters, gradients and optimizer states over the ranks with FSDP2 "
+                        "(fully_shard per block and the root; the root only with one rank) instead of DDP; checkpoints are "
+                        "torch.distributed.checkpoint folders (OUT_DIR/ckpt), which load on any number of ranks")
     g.add_argument("--out_dir", default="out",
                    help="checkpoint, log.jsonl and loss.png go here; Ctrl-C or SIGTERM saves a checkpoint "
                         "at the next step boundary")
@@ -257,6 +263,7 @@ def resolve_args(args, parser, cuda):
         parser.error(f"--warmup_frac {args.warmup_frac:g} + --cooldown_frac {args.cooldown_frac:g} > 1: "
                      f"warmup and cooldown must fit in the run")
     check_optimizer_flags(parser, args)
+    check_fsdp_flags(parser, args)
     for name in ("b_init", "b_target"):  # GaussWSLinear's range
         check_range(parser, name, getattr(args, name), lo=gaussws.B_MIN, hi=gaussws.B_MAX)
     if args.b_target > args.b_init:
@@ -281,6 +288,21 @@ def optimizer_overrides(args):
     """AdamW4bit component overrides given on the command line ({} when none): v_codebook,
     v_rounding (None = the preset's, so they are not passed)."""
     return {k: getattr(args, k, None) for k in ("v_codebook", "v_rounding") if getattr(args, k, None) is not None}
+
+
+def check_fsdp_flags(parser, args):
+    """parser.error (one line) for --fsdp outside torchrun or with what it does not support."""
+    if not args.fsdp:
+        return
+    if int(os.environ.get("RANK", -1)) == -1:
+        parser.error("--fsdp: needs torchrun (torchrun --standalone --nproc_per_node N train.py --fsdp ...; "
+                     "N = 1 works)")
+    if args.optim == "adam-mini":
+        parser.error("--fsdp with --optim adam-mini: not supported; allowed: --optim " + "|".join(
+            o for o in OPTIMS if o != "adam-mini"))
+    if args.bits_lambda:
+        parser.error(f"--fsdp with --bits_lambda {args.bits_lambda:g}: the bitwidth penalty is not supported "
+                     f"under FSDP2 (b_i are sharded outside forward); use --bits_lambda 0 or DDP")
 
 
 def check_optimizer_flags(parser, args):
@@ -358,7 +380,8 @@ def setup_distributed(args):
         torch.cuda.set_device(dev)
     else:
         dev = "cpu"
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    if not dist.is_initialized():   # (a caller may have joined the group already)
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     return Process(ddp=True, rank=rank, world=world, device=dev)
 
 
@@ -415,6 +438,50 @@ def setup_model(args, proc, batches):
             raise RunError(f"--stop_after {args.stop_after}: must be <= max_iters {args.max_iters} "
                            f"(from --tokens_per_param {args.tokens_per_param:g})")
     return model, replaced
+
+
+def shard_model(model, world):
+    """FSDP2: fully_shard each transformer block, then the root (embeddings, final norm, LM head),
+    in place; with one rank only the root (one unit: per-block all-gathers would save no memory
+    and cost a collective round per block and pass). Parameters become DTensors sharded on dim 0
+    and are all-gathered around each unit's forward and backward, so GaussWS layers see the whole
+    weight and b_i (their noise counters are buffers, replicated and advancing alike on every
+    rank: R is the unsharded layer's). The master weights stay FP32 and autocast runs inside, as
+    without FSDP2."""
+    from torch.distributed.fsdp import fully_shard
+    if world > 1:
+        for block in model.blocks:
+            fully_shard(block)
+    fully_shard(model)
+
+
+@torch.no_grad()
+def clip_grad_norm_local(params, max_norm, world):
+    """torch.nn.utils.clip_grad_norm_ for FSDP2 (DTensor) gradients, with the plain path's own
+    operations on each rank's shards (get_total_norm, one foreach multiply): the
+    squared norm is all-reduced over the ranks, not at all with one rank, so one rank gives the
+    plain path's norm and clipping bit for bit. Returns the global norm (a 0-dim tensor)."""
+    grads = [p.grad.to_local() for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if world > 1:
+        total = total.square()
+        dist.all_reduce(total)
+        total = total.sqrt()
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+@contextlib.contextmanager
+def unsharded(model, fsdp):
+    """Under FSDP2, the model's parameters all-gathered (plain tensors) inside the block."""
+    units = [m for m in model.modules() if hasattr(m, "unshard") and hasattr(m, "reshard")] if fsdp else []
+    for m in units:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
 
 
 def tokens_per_step(args):
@@ -535,7 +602,7 @@ def check_resume_config(saved, current, path):
 def check_out_dir(args, proc):
     """RunError (one line) before any data or model: a fresh run would replace the checkpoint in
     --out_dir (without --overwrite), or --out_dir cannot be created or written (with the reason)."""
-    ckpt = os.path.join(args.out_dir, "ckpt.pt")
+    ckpt = ckpt_path(args)
     if not args.resume and not args.overwrite and os.path.exists(ckpt):
         raise RunError(f"--out_dir {args.out_dir} holds a checkpoint ({ckpt}): continue that run with --resume, "
                        f"or start over with --overwrite (replaces its ckpt.pt and log.jsonl)")
@@ -551,8 +618,18 @@ def check_out_dir(args, proc):
         raise RunError(f"--out_dir {args.out_dir}: cannot write there ({e.strerror or e})") from None
 
 
+def ckpt_path(args):
+    """OUT_DIR/ckpt.pt, or under --fsdp the DCP folder OUT_DIR/ckpt."""
+    return os.path.join(args.out_dir, "ckpt" if getattr(args, "fsdp", False) else "ckpt.pt")
+
+
 def resume_path(args):
-    return os.path.join(args.out_dir, "ckpt.pt") if args.resume == "auto" else args.resume
+    if args.resume != "auto":
+        return args.resume
+    path = ckpt_path(args)
+    # a DCP folder is replaced by two renames (save_dcp_checkpoint); a crash between them leaves
+    # the previous, complete checkpoint as ckpt.old
+    return path + ".old" if not os.path.exists(path) and os.path.isdir(path + ".old") else path
 
 
 def resume_is_done(args, ckpt):
@@ -573,9 +650,21 @@ def resume_is_done(args, ckpt):
 def resume(args, ckpt, model, optimizer, device_type):
     """Load model, optimizer and RNG state from the checkpoint; (start_iter, best_val_loss). The
     data order needs no state: it is a pure function of (seed, step, micro-batch)."""
+    if "dcp" in ckpt and not args.fsdp:
+        raise RunError(f"--resume {resume_path(args)}: a --fsdp checkpoint folder; resume it with --fsdp")
     try:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if "dcp" in ckpt:   # DCP reshards to this run's number of ranks
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+            state = dcp_state(model, optimizer, {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state()
+                                                 if device_type == "cuda" else None})
+            dcp.load(state, checkpoint_id=ckpt["dcp"])
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            ckpt = dict(ckpt, rng=state["rng"])
+        else:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         if device_type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"])
@@ -687,7 +776,7 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
         say(f"compiling the model (torch.compile, mode {args.compile_mode}): the first step takes ~1 min")
         model = torch.compile(model, mode=args.compile_mode)
     graphs = args.compile and "reduce-overhead" in args.compile_mode
-    if proc.ddp:  # buffers (GaussWS seed state) advance identically on every rank: no broadcast needed
+    if proc.ddp and not args.fsdp:  # buffers (GaussWS seed state) advance identically on every rank: no broadcast
         model = DDP(model, device_ids=[torch.device(proc.device).index] if proc.device_type == "cuda" else None,
                     broadcast_buffers=False)
     pt_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
@@ -708,8 +797,9 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
                 log.flush()
                 if args.eval_windows > 0:
                     val = evaluate(raw_model, batches, args.eval_windows, args.batch_size, ctx, proc.device,
-                                   proc.rank, proc.world, proc.ddp)
-                    log.eval(it, val, gaussws.bitwidth_stats(raw_model) if bits else None)
+                                   proc.rank, proc.world, proc.ddp, args.fsdp)
+                    with unsharded(raw_model, args.fsdp):
+                        log.eval(it, val, gaussws.bitwidth_stats(raw_model) if bits else None)
                 if it > start_iter or at_end:
                     log.checkpoint(it, raw_model, optimizer)
                 log.t_ref = time.time()  # eval and checkpoint time is not step time
@@ -731,7 +821,9 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
                 if proc.device_type == "cuda":
                     x = x.pin_memory().to(proc.device, non_blocking=True)
                     y = y.pin_memory().to(proc.device, non_blocking=True)
-                if proc.ddp:  # all-reduce gradients only on the last micro-step (set before forward)
+                if args.fsdp:  # reduce-scatter gradients only on the last micro-step
+                    raw_model.set_requires_gradient_sync(micro == accum - 1)
+                elif proc.ddp:  # all-reduce gradients only on the last micro-step (set before forward)
                     model.require_backward_grad_sync = micro == accum - 1
                 if graphs:
                     torch.compiler.cudagraph_mark_step_begin()
@@ -742,20 +834,21 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
                 loss_sum += loss.detach()
             if proc.ddp:
                 dist.all_reduce(loss_sum)  # SUM (gloo has no AVG); divided by world below
-            gnorm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(),
-                                                   args.grad_clip if args.grad_clip > 0 else float("inf"))
+            clip = args.grad_clip if args.grad_clip > 0 else float("inf")
+            gnorm = (clip_grad_norm_local(raw_model.parameters(), clip, proc.world) if args.fsdp
+                     else torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             stats = [loss_sum / (accum * proc.world), gnorm.float()]
             if bits:
-                stats.append(mean_bt(bits, args.b_init, args.b_target))
+                stats.append(mean_bt(bits, args.b_init, args.b_target, proc.world))
             log.step(it, lr, torch.stack(stats))
             it += 1
             log.bar.update(1)
     finally:
         interrupts.restore()
         log.bar.close()
-    bt = mean_bt(bits, args.b_init, args.b_target)
+    bt = mean_bt(bits, args.b_init, args.b_target, proc.world)
     return log.finish(it, raw_model, optimizer, bt.item() if bt is not None else None)
 
 
@@ -764,19 +857,29 @@ def bits_params(model):
     return [p for n, p in model.named_parameters() if n.endswith("b_i")]
 
 
-def mean_bt(bits_params, b_init, b_target):
+def mean_bt(bits_params, b_init, b_target, world=1):
     """Mean tile bitwidth b_t over all PQT tiles (paper A eq. 11: b_t = b_target + b_i (b_init - b_target)),
-    as a 0-dim tensor (no device sync)."""
+    as a 0-dim tensor (no device sync). FSDP2 (DTensor b_i, `world` ranks): each rank's shards,
+    summed over the ranks in one all-reduce (none with one rank)."""
     if not bits_params:
         return None
-    b_i = torch.cat([p.detach().flatten() for p in bits_params]).float().mean()
+    with torch.no_grad():   # DTensor.to_local() costs ~40 us a call with autograd on, ~2 us without
+        local = [p.to_local() if hasattr(p, "to_local") else p.detach() for p in bits_params]
+    b_i = torch.cat([x.flatten() for x in local]).float()
+    if world > 1 and hasattr(bits_params[0], "to_local"):
+        total = torch.stack([b_i.sum(), torch.tensor(float(b_i.numel()), device=b_i.device)])
+        dist.all_reduce(total)
+        b_i = total[0] / total[1]
+    else:
+        b_i = b_i.mean()
     return b_target + b_i * (b_init - b_target)
 
 
 @torch.no_grad()
-def evaluate(model, batches, n_windows, batch_size, ctx, device, rank=0, world=1, ddp=False):
+def evaluate(model, batches, n_windows, batch_size, ctx, device, rank=0, world=1, ddp=False, fsdp=False):
     """Mean cross-entropy (nats/token) over the fixed validation windows, split across ranks.
-    Uses the plain (uncompiled, unwrapped) model in eval mode."""
+    Uses the plain (uncompiled, unwrapped) model in eval mode. Under FSDP2 (fsdp) every forward
+    all-gathers, so a rank with fewer batches runs extra forwards whose loss is not counted."""
     was_training = model.training
     model.eval()
     tot = torch.zeros(2, dtype=torch.float64, device=device)
@@ -789,6 +892,12 @@ def evaluate(model, batches, n_windows, batch_size, ctx, device, rank=0, world=1
         tot[0] += loss.double() * y.numel()
         tot[1] += y.numel()
         bar.update(len(x))
+    if fsdp:
+        most = -(-len(batches.val_starts(n_windows)[0::world]) // batch_size)   # rank 0 has the most windows
+        mine = -(-len(batches.val_starts(n_windows)[rank::world]) // batch_size)
+        for _ in range(most - mine):
+            with ctx:
+                model(torch.zeros(1, batches.block_size, dtype=torch.long, device=device))
     bar.close()
     if ddp:
         dist.all_reduce(tot)
@@ -827,7 +936,7 @@ class RunLog:
     def __init__(self, args, proc, start_iter, best_val):
         self.args, self.proc, self.start_iter = args, proc, start_iter
         self.path = os.path.join(args.out_dir, "log.jsonl")
-        self.ckpt_path = os.path.join(args.out_dir, "ckpt.pt")
+        self.ckpt_path = ckpt_path(args)
         self.file, kept = None, []
         if proc.master:
             os.makedirs(args.out_dir, exist_ok=True)
@@ -837,7 +946,7 @@ class RunLog:
                 # a kill during the rewrite leaves the old log whole
                 atomic_write(self.path, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept), "w")
             elif os.path.exists(self.ckpt_path):  # --overwrite: the old checkpoint must not resume the new log
-                os.remove(self.ckpt_path)
+                shutil.rmtree(self.ckpt_path) if os.path.isdir(self.ckpt_path) else os.remove(self.ckpt_path)
             self.file = open(self.path, "a" if args.resume else "w")
         self.bar = tqdm(total=args.max_iters, initial=start_iter, disable=not proc.master, dynamic_ncols=True,
                         mininterval=0.5, desc="train")
@@ -916,19 +1025,23 @@ class RunLog:
             self.bar.write(f"step {it}: val loss {val:.4f}, train loss {tl}")
 
     def checkpoint(self, it, model, optimizer):
-        """ckpt.pt for step `it` (next step to run), written atomically by rank 0. RunError (one
-        line, the reason) when it cannot be written (disk full, ...); the previous one is kept."""
-        if self.proc.master:
+        """ckpt.pt for step `it` (next step to run), written atomically by rank 0; under --fsdp the
+        DCP folder ckpt, written by every rank (save_dcp_checkpoint). RunError (one line, the
+        reason) when it cannot be written (disk full, ...); the previous one is kept."""
+        meta = {"format": CKPT_FORMAT, "iter_num": it, "best_val_loss": self.best_val,
+                "config": run_config(self.args), "model_config": asdict(model.config),
+                # the training data order is a pure function of (seed, rank, step, micro-step)
+                "data_rng": {"scheme": "numpy default_rng([seed, step, global micro-batch])",
+                             "seed": self.args.seed, "next_step": it}}
+        rng = {"torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state() if self.proc.device_type == "cuda" else None}
+        if self.proc.master or self.args.fsdp:
             try:
-                save_checkpoint(self.ckpt_path, {
-                    "format": CKPT_FORMAT, "iter_num": it, "best_val_loss": self.best_val,
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "config": run_config(self.args), "model_config": asdict(model.config),
-                    # the training data order is a pure function of (seed, rank, step, micro-step)
-                    "data_rng": {"scheme": "numpy default_rng([seed, step, global micro-batch])",
-                                 "seed": self.args.seed, "next_step": it},
-                    "rng": {"torch": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state() if self.proc.device_type == "cuda" else None}})
+                if self.args.fsdp:
+                    save_dcp_checkpoint(self.ckpt_path, meta, model, optimizer, rng, self.proc.master)
+                else:
+                    save_checkpoint(self.ckpt_path, dict(meta, model=model.state_dict(),
+                                                         optimizer=optimizer.state_dict(), rng=rng))
             except (OSError, RuntimeError) as e:  # torch.save reports some write errors as RuntimeError
                 reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
                 kept = (f"{self.ckpt_path} (step {self.last_ckpt}) is left intact" if self.last_ckpt is not None
@@ -1006,11 +1119,59 @@ def save_checkpoint(path, obj):
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def dcp_state(model, optimizer, rng):
+    """The state dict of a DCP checkpoint: model and optimizer (torch.distributed.checkpoint's
+    get_model/optimizer_state_dict: sharded DTensors, resharded on load) and the RNG states."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
+            "rng": {k: v for k, v in rng.items() if v is not None}}
+
+
+def save_dcp_checkpoint(path, meta, model, optimizer, rng, master):
+    """Every rank: write the DCP folder `path` for step meta["iter_num"] atomically: dcp.save into
+    path.tmp, rank 0 adds train.json (meta: step, config, ...), then replaces path by two renames
+    (path -> path.old, path.tmp -> path; resume_path falls back to path.old if a crash falls
+    between them) and removes path.old. A collective: every rank calls it at the same step."""
+    import torch.distributed.checkpoint as dcp
+    tmp, old = path + ".tmp", path + ".old"
+    if master and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    dist.barrier()
+    dcp.save(dcp_state(model, optimizer, rng), checkpoint_id=tmp)
+    dist.barrier()
+    if master:
+        atomic_write(os.path.join(tmp, "train.json"), lambda f: f.write(json.dumps(meta)), "w")
+        if os.path.exists(path):
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if os.path.exists(old):
+            shutil.rmtree(old)
+    dist.barrier()
+
+
+def load_dcp_meta(path):
+    """train.json of the DCP folder `path` (the checkpoint minus model, optimizer and RNG, which
+    resume() loads once they exist), with "dcp": path; RunError when it is missing or not ours."""
+    try:
+        with open(os.path.join(path, "train.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise RunError(f"--resume: {path} is not a complete train.py --fsdp checkpoint folder "
+                       f"(train.json: {getattr(e, 'strerror', None) or e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != CKPT_FORMAT:
+        raise RunError(f"--resume: {path} is not a train.py checkpoint (format {CKPT_FORMAT})")
+    return dict(meta, dcp=path)
+
+
 def load_checkpoint(path):
-    """Read a checkpoint written by save_checkpoint; RunError with the reason when it is missing,
-    unreadable (corrupt/truncated) or not one of ours."""
+    """Read a checkpoint written by save_checkpoint (or the train.json of a DCP folder); RunError
+    with the reason when it is missing, unreadable (corrupt/truncated) or not one of ours."""
     if not os.path.exists(path):
         raise RunError(f"--resume: no checkpoint at {path}")
+    if os.path.isdir(path):
+        return load_dcp_meta(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -1109,6 +1270,8 @@ def main(argv=None):
             log = read_log(os.path.join(args.out_dir, "log.jsonl"))
             return next((r for r in reversed(log) if r.get("type") == "summary"), None)
         say_setup(args, proc, batches, model, replaced)
+        if args.fsdp:
+            shard_model(model, proc.world)
         optimizer = build_optimizer(args, model, proc.device_type)
         start_iter, best_val = 0, math.inf
         if ckpt is not None:
