@@ -442,7 +442,7 @@ def _gpu_profile(step, n=3):
 def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps=30, batch=16, T=1024,
                      preset="gpt2-124m"):
     """GaussWS at the training level: GPT-2-124M, batch 16 × 1024, BF16 autocast, torch.compile
-    (each mode of `modes`; "eager": not compiled), fused AdamW, gradient clipping, one micro-step per optimizer step;
+    (each mode of `modes`), fused AdamW, gradient clipping, one micro-step per optimizer step;
     every variant (model surgery of `variants`, "bf16" = none) is built and compiled once, then
     timed in `pairs` interleaved rounds (median of `steps` CUDA-event-timed steps each) in this
     one process, so the ratios to bf16 are not moved by the machine between runs. Per variant
@@ -463,7 +463,7 @@ def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps
                 model = GPT(preset_config(preset, block_size=T))
             surgery(model)
             opt = trainer.build_optimizer(args, model, "cuda")
-            fwd = model if mode == "eager" else torch.compile(model, mode=mode)
+            fwd = torch.compile(model, mode=mode)
             graphs = "reduce-overhead" in mode
 
             def step(model=model, opt=opt, fwd=fwd, graphs=graphs):
@@ -690,7 +690,7 @@ def build_parser():
     ap.add_argument("--table1", action="store_true", help="--only train: also paper A Table 1 (llama-134m ... "
                                                           "70b-4l; eager unless --compile)")
     ap.add_argument("--modes", default="default", help="--only train: torch.compile modes of the GPT-2 comparison, "
-                                                       "comma-separated (default, reduce-overhead; eager = not compiled)")
+                                                       "comma-separated (default, reduce-overhead)")
     ap.add_argument("--pairs", type=int, default=2, help="--only train: interleaved rounds of the GPT-2 comparison")
     import experiments
     experiments.add_quality_args(ap.add_argument_group("--only quality (as experiments.py quality)"),

@@ -42,9 +42,6 @@ one kernel writes ∂L/∂w and tilemax · sum_32(∂L/∂w_hat ⊙ R).
 `fused=True` (the default of `GaussWSLinear` and `apply_pqt`) leaves out step (1): the apply and
 grad kernels draw R from Philox themselves, the same R bit for bit, so no packed R goes through
 memory.
-An eager `GaussWSLinear` call (fused, memory "save", Triton) launches two kernels fewer than
-`pqt_linear`: its apply kernel also advances the layer's call counter, and its grad kernel also
-takes ∂L/∂(2^(1−b_t)) through 2^(1−b_t) and eq. 11 to ∂L/∂b_i (`_LayerSample`).
 
 Every kernel has a plain-PyTorch twin here (`impl="torch"`), placed right before it, with the same
 math and the same names: Philox runs on int64 tensors, so the reference gives the same bits, the
@@ -274,12 +271,8 @@ def _philox_words_torch(seed, idx):
 def _philox_words(seed_ptr, p):
     """4 uint32 words for int32 counters p (word index) under seed = [key, counter] at seed_ptr:
     the Triton twin of `_philox_words_torch`."""
-    return _philox_words_at(tl.load(seed_ptr), tl.load(seed_ptr + 1), p)
-
-
-@triton.jit
-def _philox_words_at(key, ctr, p):
-    """`_philox_words` with the int64 key and call counter given as values."""
+    key = tl.load(seed_ptr)
+    ctr = tl.load(seed_ptr + 1)
     k0 = (key & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c0 = p.to(tl.uint32)
@@ -330,13 +323,6 @@ def _recipe(r0, r1, r2, r3):
 def _packed_words(seed_ptr, p):
     """Packed GaussWS R for word indices p: Philox, then the recipe."""
     r0, r1, r2, r3 = _philox_words(seed_ptr, p)
-    return _recipe(r0, r1, r2, r3)
-
-
-@triton.jit
-def _packed_words_at(key, ctr, p):
-    """`_packed_words` with the key and call counter given as values."""
-    r0, r1, r2, r3 = _philox_words_at(key, ctr, p)
     return _recipe(r0, r1, r2, r3)
 
 
@@ -554,10 +540,9 @@ def _noise_values_torch(noise, method, n):
 
 
 @triton.jit
-def _noise_block(r_ptr, key, ctr, row, col, ti, mask, M, N, N8, NOISE: tl.constexpr):
+def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE: tl.constexpr):
     """R as float32 for a (32, BT, 32) block. NOISE: 0 = packed GaussWS R read from memory,
-    1 = dense BF16 DiffQ R read from memory, 2 = packed GaussWS R generated here (fused) from the
-    seed (key, ctr)."""
+    1 = dense BF16 DiffQ R read from memory, 2 = packed GaussWS R generated here (fused)."""
     if NOISE == 1:
         r = tl.load(r_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     else:
@@ -565,7 +550,7 @@ def _noise_block(r_ptr, key, ctr, row, col, ti, mask, M, N, N8, NOISE: tl.conste
         if NOISE == 0:
             w = tl.load(r_ptr + row * N8 + q, mask=(row < M) & (q < N8), other=0)
         else:
-            w = _packed_words_at(key, ctr, row * N8 + q)
+            w = _packed_words(seed_ptr, row * N8 + q)
         nib = _interleave8(w & 0xF, (w >> 4) & 0xF, (w >> 8) & 0xF, (w >> 12) & 0xF,
                            (w >> 16) & 0xF, (w >> 20) & 0xF, (w >> 24) & 0xF, (w >> 28) & 0xF)
         mag = (nib & 7).to(tl.float32)
@@ -653,57 +638,22 @@ def _apply_torch(w, noise, pow2, method, out_dtype):
     return w_hat, tmax
 
 
-# The layer's counter advance happens inside its apply kernel (one launch less per call): every
-# program adds TICKET to the counter word of noise_state = [key, t] atomically and reads t from the
-# low bits of the old value; the last of the P programs (old >> 40 == P - 1; all others have read t)
-# removes the P tickets and adds 1. Right for t < 2^40 (calls), the state holds [key, t + 1] after
-# the kernel and program (0, 0) writes the call's seed [key, t] for backward.
-
-
 @triton.jit
-def _take_seed(state_ptr, seed_out_ptr):
-    """(key, t) of this call from state = [key, t] at state_ptr; advances t by one over the grid."""
-    TICKET: tl.constexpr = 1 << 40
-    n_prog = (tl.num_programs(0) * tl.num_programs(1)).to(tl.int64)
-    old = tl.atomic_add(state_ptr + 1, TICKET)
-    if (old >> 40) == n_prog - 1:
-        tl.atomic_add(state_ptr + 1, 1 - n_prog * TICKET)
-    key = tl.load(state_ptr)
-    ctr = old & (TICKET - 1)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(seed_out_ptr, key)
-        tl.store(seed_out_ptr + 1, ctr)
-    return key, ctr
-
-
-@triton.jit
-def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, seed_out_ptr, M, N, N8, TN,
-                  NOISE: tl.constexpr, BT: tl.constexpr, ADVANCE: tl.constexpr):
-    """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t).
-    ADVANCE (fused GaussWS only): seed_ptr is the layer's noise_state, advanced here (`_take_seed`),
-    and the call's seed goes to seed_out_ptr."""
-    key = 0
-    ctr = 0
-    if NOISE == 2:
-        if ADVANCE:
-            key, ctr = _take_seed(seed_ptr, seed_out_ptr)
-        else:
-            key = tl.load(seed_ptr)
-            ctr = tl.load(seed_ptr + 1)
+def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, M, N, N8, TN,
+                  NOISE: tl.constexpr, BT: tl.constexpr):
+    """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t)."""
     ti, row, col, mask = _tile_block(M, N, BT)
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = _tile_absmax(w)                                             # (BT,), edge tiles masked
     tmask = ti < TN
     pow2 = tl.load(pow2_ptr + tl.program_id(0) * TN + ti, mask=tmask, other=0.0)
-    r = _noise_block(r_ptr, key, ctr, row, col, ti, mask, M, N, N8, NOISE)
+    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
     w_hat = w + r * (tmax * pow2)[None, :, None]
     tl.store(out_ptr + row * N + col, _cast(w_hat, out_ptr.dtype.element_ty), mask=mask)
     tl.store(tmax_ptr + tl.program_id(0) * TN + ti, tmax, mask=tmask)
 
 
-def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None, seed_out=None):
-    """seed_out (int64 (2,), fused GaussWS only): `seed` is then the layer's noise_state, advanced
-    by the kernel, and seed_out receives the call's seed."""
+def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None):
     m, n = w.shape
     tm, tn = tile_grid(m, n)
     mode = _noise_mode(method, fused)
@@ -712,9 +662,8 @@ def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_w
     w_hat = torch.empty(m, n, dtype=out_dtype, device=w.device)
     tmax = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
     r = w if mode == 2 else noise   # unused pointer in fused mode
-    _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](
-        w, r, pow2, w_hat, tmax, seed, seed if seed_out is None else seed_out, m, n, -(-n // 8), tn,
-        NOISE=mode, BT=bt, ADVANCE=seed_out is not None, num_warps=num_warps)
+    _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed, m, n, -(-n // 8), tn,
+                                             NOISE=mode, BT=bt, num_warps=num_warps)
     return w_hat, tmax
 
 
@@ -752,57 +701,32 @@ def _grad_torch(g, noise, tmax, method, w_dtype):
     return g.to(w_dtype, copy=True), tmax * gr.view(tm, TILE, tn, TILE).sum(dim=(1, 3))
 
 
-def _dbi_torch(dpow2, pow2, b_t, c, bi_dtype):
-    """∂L/∂b_i from ∂L/∂2^(1−b_t) through `_pow2` and eq. 11, with autograd's operations in its
-    order (so the bits are autograd's): exp2' = (grad · 2^(1−b_t)) · ln2, (1 − x)' = −grad,
-    clamp' = grad where B_MIN ≤ b_t ≤ B_MAX else 0, eq. 11' = grad · (b_init − b_target)."""
-    d = -((dpow2 * pow2) * LN2)
-    return (torch.where((b_t >= B_MIN) & (b_t <= B_MAX), d, 0.0) * c).to(bi_dtype)
-
-
 @triton.jit
-def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, pow2_ptr, bt_ptr, C, M, N, N8, TN,
-                 NOISE: tl.constexpr, BT: tl.constexpr, DBI: tl.constexpr):
-    """eq. 4 in Triton: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R).
-    DBI: dpow2_ptr receives ∂L/∂b_i instead, the twin of `_dbi_torch` (C = b_init − b_target)."""
-    key = 0
-    ctr = 0
-    if NOISE == 2:
-        key = tl.load(seed_ptr)
-        ctr = tl.load(seed_ptr + 1)
+def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, M, N, N8, TN,
+                 NOISE: tl.constexpr, BT: tl.constexpr):
+    """eq. 4 in Triton: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R)."""
     ti, row, col, mask = _tile_block(M, N, BT)
     g = tl.load(g_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(dw_ptr + row * N + col, _cast(g, dw_ptr.dtype.element_ty), mask=mask)
-    r = _noise_block(r_ptr, key, ctr, row, col, ti, mask, M, N, N8, NOISE)
+    r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
     s = tl.sum(tl.sum(g * r, axis=2), axis=0)
     tidx = tl.program_id(0) * TN + ti
     tmask = ti < TN
     tmax = tl.load(tmax_ptr + tidx, mask=tmask, other=0.0)
-    d = tmax * s
-    if DBI:
-        pow2 = tl.load(pow2_ptr + tidx, mask=tmask, other=0.0)
-        b_t = tl.load(bt_ptr + tidx, mask=tmask, other=0.0)
-        d = -((d * pow2) * 0.6931471805599453)                        # LN2, rounded to float32
-        d = tl.where((b_t >= 1.0) & (b_t <= 24.0), d, 0.0) * C         # [B_MIN, B_MAX]
-        d = _cast(d, dpow2_ptr.dtype.element_ty)
-    tl.store(dpow2_ptr + tidx, d, mask=tmask)
+    tl.store(dpow2_ptr + tidx, tmax * s, mask=tmask)
 
 
-def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None, dbi=None):
-    """dbi = (pow2, b_t, b_init − b_target, b_i dtype): the second output is ∂L/∂b_i (`_dbi_torch`)
-    instead of ∂L/∂2^(1−b_t)."""
+def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None):
     m, n = g.shape
     tm, tn = tmax.shape
     mode = _noise_mode(method, fused)
     key = "fused" if mode == 2 else "grad"
     bt, num_warps = bt or CONFIG[key + "_bt"], num_warps or CONFIG[key + "_warps"]
     dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
-    pow2, b_t, c, d_dtype = dbi if dbi is not None else (tmax, tmax, 0.0, torch.float32)
-    dpow2 = torch.empty(tm, tn, dtype=d_dtype, device=g.device)
+    dpow2 = torch.empty(tm, tn, dtype=torch.float32, device=g.device)
     r = g if mode == 2 else noise
-    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, pow2, b_t, float(c), m, n,
-                                                     -(-n // 8), tn, NOISE=mode, BT=bt, DBI=dbi is not None,
-                                                     num_warps=num_warps)
+    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
+                                            NOISE=mode, BT=bt, num_warps=num_warps)
     return dw, dpow2
 
 
@@ -944,53 +868,6 @@ class _RecomputeLinear(torch.autograd.Function):
         return gx, dw, dpow2, None, gb, None, None, None
 
 
-# ----------------------------------------------------------------------------------------------
-# the eager layer's path (fused GaussWS on Triton, memory="save"): two launches fewer per call
-
-def _layer_sample_impl(w, pow2, state, out_dtype):
-    """Fused eq. 3 that also advances state = [key, t] (a layer's noise_state) by one, inside the
-    apply kernel: (w_hat, tile maxima, the call's seed [key, t])."""
-    seed = torch.empty_like(state)
-    w_hat, tmax = _apply_triton(w, None, pow2, state, "gaussws", out_dtype, True, seed_out=seed)
-    return w_hat, tmax, seed
-
-
-def _layer_grad_impl(g, tmax, seed, pow2, b_t, c, w_dtype, bi_dtype):
-    """eq. 4 for the layer: (∂L/∂w, ∂L/∂b_i), the second through `_pow2` and eq. 11 in the kernel."""
-    return _grad_triton(g.contiguous(), None, tmax, seed, "gaussws", w_dtype, True, dbi=(pow2, b_t, c, bi_dtype))
-
-
-class _LayerSample(torch.autograd.Function):
-    """w_hat of an eager GaussWSLinear training call, differentiable w.r.t. w and b_i, with the
-    launches of `pqt_linear` less two: no next_seed kernel (the apply kernel advances the counter,
-    `_take_seed`; a torch.library op that mutates an input cannot carry an autograd formula, hence
-    an autograd.Function) and no 2^(1−b_t) backward kernel (the grad kernel returns ∂L/∂b_i,
-    `_dbi_torch`). Same R, w_hat and gradients as `pqt_linear`. src: the layer's noise_state
-    (advance=True) or, when activation checkpointing re-runs the call, the call's seed
-    (advance=False: nothing advances); both save the same tensors, as torch.utils.checkpoint needs."""
-
-    @staticmethod
-    def forward(ctx, w, b_i, src, advance, b_init, b_target, out_dtype, call):
-        b_t = _bitwidth(b_i, b_init, b_target)
-        pow2 = _pow2(b_t)
-        if advance:
-            w_hat, tmax, seed = _layer_sample_impl(w, pow2, src, out_dtype)
-        else:
-            seed = src
-            w_hat, tmax = _pqn_sample_impl(w, pow2, seed, "gaussws", out_dtype, "triton", True)
-        ctx.save_for_backward(tmax, seed, b_t, pow2)
-        ctx.args = (float(b_init - b_target), w.dtype, b_i.dtype)
-        ctx.call = call
-        return w_hat
-
-    @staticmethod
-    def backward(ctx, g_w_hat):
-        tmax, seed, b_t, pow2 = ctx.saved_tensors
-        _check_recomputed_call(ctx.call, seed)
-        dw, dbi = _layer_grad_impl(g_w_hat, tmax, seed, pow2, b_t, *ctx.args)
-        return dw, dbi, None, None, None, None, None, None
-
-
 def _compute_dtype(x):
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
@@ -1112,7 +989,6 @@ def _in_backward_pass():
 # ends), so the loss cannot push it further out; weight decay on b_i and `bitwidth_penalty`
 # (which see the unclamped eq. 11 value) still pull it back toward b_target, inside the range.
 B_MIN, B_MAX = 1.0, 24.0
-LN2 = math.log(2)
 
 
 def _check_bits(b_init, b_target):
@@ -1164,10 +1040,9 @@ class GaussWSLinear(nn.Linear):
     Parameters: weight (out, in) and bias as nn.Linear, `b_i` (ceil(out/32), ceil(in/32)) init 1
     (put weight decay on it to pull b_t to b_target). Buffer `noise_state` int64 [key, call
     counter] (checkpointed by state_dict). The counter advances by one at every training-mode
-    forward (it must stay below 2^40: the apply kernel counts its programs in the bits above; not
-    at the re-run of a forward by activation checkpointing, which reuses the last seed: a layer
-    called twice in one checkpointed region, or checkpointed again before the backward, raises
-    RuntimeError in that backward); eval mode uses w itself (no noise) unless
+    forward (not at the re-run of a forward by activation checkpointing, which reuses the last
+    seed: a layer called twice in one checkpointed region, or checkpointed again before the
+    backward, raises RuntimeError in that backward); eval mode uses w itself (no noise) unless
     `sample_in_eval` is set, in which case it samples with the current state without advancing
     it. `reset_parameters()` initialises weight, bias, b_i and noise_state as at construction.
 
@@ -1258,31 +1133,9 @@ class GaussWSLinear(nn.Linear):
         self._calls += 1
         return seed
 
-    def _sample_fast(self, x):
-        """w_hat through `_LayerSample` (fused GaussWS on Triton, memory "save", eager code); None
-        elsewhere. Under torch.compile the layer keeps `pqt_linear`'s torch.library ops: Inductor has
-        not been run on this autograd.Function with its mutating op, so its compiled form is
-        unchecked (notebook, section 7)."""
-        if torch.compiler.is_compiling() or not (self.method == "gaussws" and self.fused and self.memory == "save"
-                                                 and _resolve_impl(self.impl, self.weight) == "triton"):
-            return None
-        _check_dtype(x.dtype, "x")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {self.in_features}")
-        w, cd = self.weight.contiguous(), _compute_dtype(x)
-        if _in_backward_pass():      # activation recomputation of the last call: same seed
-            return _LayerSample.apply(w, self.b_i, self._next_seed(), False, self.b_init, self.b_target, cd, None)
-        call = None
-        call = self._last_call = (self._name, self._calls)
-        self._calls += 1
-        return _LayerSample.apply(w, self.b_i, self.noise_state, True, self.b_init, self.b_target, cd, call)
-
     def forward(self, x):
         if not (self.training or self.sample_in_eval):
             return F.linear(x, self.weight, self.bias)
-        w_hat = self._sample_fast(x) if self.training else None
-        if w_hat is not None:
-            return F.linear(x, w_hat, self.bias)
         return pqt_linear(x, self.weight, self.b_t, self.bias, self._next_seed(), method=self.method,
                           memory=self.memory, impl=self.impl, fused=self.fused)
 
