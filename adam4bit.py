@@ -873,8 +873,10 @@ def _adamw4bit_kernel(
     row = launch_table + tl.load(program_tensor + pid) * TAB_WIDTH
     n_blocks = tl.load(row + TAB_N_BLOCKS)
     first = (pid - tl.load(row + TAB_FIRST_PROGRAM)) * (NB * TILES)      # first block of this program
-    param = tl.load(row + TAB_PARAM).to(tl.pointer_type(_kind_dtype(P_KIND)))
-    grad = tl.load(row + TAB_GRAD).to(tl.pointer_type(_kind_dtype(G_KIND)))
+    param = tl.load(row + TAB_PARAM).to(tl.pointer_type(
+        tl.bfloat16 if P_KIND == 1 else tl.float16 if P_KIND == 2 else tl.float32))
+    grad = tl.load(row + TAB_GRAD).to(tl.pointer_type(
+        tl.bfloat16 if G_KIND == 1 else tl.float16 if G_KIND == 2 else tl.float32))
     corr = tl.load(row + TAB_CORRECTION).to(tl.pointer_type(tl.int8))
     exp_avg = tl.load(row + TAB_EXP_AVG).to(tl.pointer_type(tl.uint8))
     exp_avg_scale = tl.load(row + TAB_EXP_AVG_SCALE).to(tl.pointer_type(tl.float32))
@@ -1067,27 +1069,20 @@ def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1, up0
 
 
 @triton.jit
-def _kind_dtype(KIND: tl.constexpr):
-    # _DTYPE_KIND's codes -> the Triton dtype
-    if KIND == 1:
-        return tl.bfloat16
-    elif KIND == 2:
-        return tl.float16
-    else:
-        return tl.float32
-
-
-@triton.jit
 def _load_pair(ptr, pair, mask, KIND: tl.constexpr):
     # elements 2 pair, 2 pair + 1 as float32 from one aligned word (little-endian: the even
     # element in the low half); BF16 and FP16 -> FP32 are exact
     if KIND == 0:
-        return _unpair(_ld(ptr.to(tl.pointer_type(tl.int64), bitcast=True) + pair, mask))
-    word = _ld(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pair, mask)
-    if KIND == 1:
-        return (word << 16).to(tl.float32, bitcast=True), (word & -65536).to(tl.float32, bitcast=True)
-    return (word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
-            (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+        lo, hi = _unpair(_ld(ptr.to(tl.pointer_type(tl.int64), bitcast=True) + pair, mask))
+    else:
+        word = _ld(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pair, mask)
+        if KIND == 1:
+            lo = (word << 16).to(tl.float32, bitcast=True)
+            hi = (word & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
