@@ -440,23 +440,44 @@ def _sr_seed(seed, t, index):
 def _adamw_fp32_steps(items, lr, b1, b2, eps, wd, rule="rtn", seeds=None):
     """AdamW on FP32 states (paper B's 32-bit baseline; also tensors too small to quantize).
     items: (param, state, t) triples. CUDA: torch's fused AdamW kernel, one launch per step
-    value. Elsewhere: the reference loop, in torch.optim.AdamW's single-tensor operation order
+    value (BF16/FP16 parameters: on one FP32 copy of them all, written back by write_param).
+    Elsewhere: the reference loop, in torch.optim.AdamW's single-tensor operation order
     (matches it to rounding), with the parameter written by write_param (rule: param_rounding;
     seeds: the SR seed of each item, for rule="sr"); a state's "param_correction" makes the
     weight eq. MW's master weight."""
     if not items:
         return
-    if items[0][0].is_cuda and all(p.dtype == torch.float32 for p, _, _ in items):
+    if items[0][0].is_cuda:
         by_t = {}
-        for p, st, t in items:
-            by_t.setdefault(t, []).append((p, st))
-        for t, its in by_t.items():
-            ps = [p for p, _ in its]
+        for i, (p, st, t) in enumerate(items):
+            by_t.setdefault((t, p.dtype), []).append((p, st, seeds[i] if seeds else 0))
+        for (t, _), its in by_t.items():
+            ps = [p for p, _, _ in its]
             step = torch.full((), float(t), dtype=torch.float32, device=ps[0].device)
-            torch._fused_adamw_(ps, [p.grad.float() for p in ps], [st["exp_avg"] for _, st in its],
-                                [st["exp_avg_sq"] for _, st in its], [], [step] * len(ps),
+            if ps[0].dtype == torch.float32:
+                ws, gs = ps, [p.grad.float() for p in ps]
+            else:     # the small tensors as one flat FP32 buffer: a few launches, not a few per tensor
+                sizes = [p.numel() for p in ps]
+                corr = [st.get("param_correction") for _, st, _ in its]
+                has_corr = all(c is not None for c in corr)
+                flat = torch.cat([p.detach().reshape(-1) for p in ps])
+                if has_corr:
+                    flat = join_master(flat, torch.cat([c.reshape(-1) for c in corr]))
+                flat = flat.float()
+                ws = list(flat.split(sizes))
+                gs = list(torch.cat([p.grad.reshape(-1) for p in ps]).float().split(sizes))
+            torch._fused_adamw_(ws, gs, [st["exp_avg"].view(-1) for _, st, _ in its],
+                                [st["exp_avg_sq"].view(-1) for _, st, _ in its], [], [step] * len(ps),
                                 lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                                 amsgrad=False, maximize=False)
+            if ps[0].dtype != torch.float32:
+                flat_p = torch.empty(flat.shape, dtype=ps[0].dtype, device=flat.device)
+                flat_c = torch.empty(flat.shape, dtype=torch.int8, device=flat.device) if has_corr else None
+                gen = torch.Generator(device=flat.device).manual_seed(its[0][2])
+                _write_step(flat_p, flat, flat_c, rule, None, gen)
+                torch._foreach_copy_(ps, [x.view_as(p) for x, p in zip(flat_p.split(sizes), ps)])
+                if flat_c is not None:
+                    torch._foreach_copy_(corr, [x.view_as(c) for x, c in zip(flat_c.split(sizes), corr)])
         return
     for i, (p, st, t) in enumerate(items):
         m, v = st["exp_avg"], st["exp_avg_sq"]
