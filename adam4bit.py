@@ -466,8 +466,9 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd, rule="rtn", seeds=None):
                 flat = flat.float()
                 ws = list(flat.split(sizes))
                 gs = list(torch.cat([p.grad.reshape(-1) for p in ps]).float().split(sizes))
-            torch._fused_adamw_(ws, gs, [st["exp_avg"].view(-1) for _, st, _ in its],
-                                [st["exp_avg_sq"].view(-1) for _, st, _ in its], [], [step] * len(ps),
+            # the moments shaped like ws (flat for the 16-bit copy)
+            ms, vs = ([st[k].view_as(w) for (_, st, _), w in zip(its, ws)] for k in ("exp_avg", "exp_avg_sq"))
+            torch._fused_adamw_(ws, gs, ms, vs, [], [step] * len(ps),
                                 lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                                 amsgrad=False, maximize=False)
             if ps[0].dtype != torch.float32:

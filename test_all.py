@@ -1254,6 +1254,20 @@ def test_gpu_16bit_params_bit_identical_to_reference():
                     wa = A.read_param(a, o_c.state[a]["param_correction"])
                     wb = A.read_param(b, o_g.state[b]["param_correction"]).cpu()
                     assert ((wa - wb).abs() <= ulp / 128).all(), (dtype, kw)
+    # FP32-state tensors of any shape (2-D here) through torch's fused AdamW, per dtype group
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in ((33, 3), (100,), (64, 64))]
+        gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+        o_c, o_g = (A.AdamW4bit(ps, lr=1e-2, preset="fp32") for ps in (cpu, gpu))
+        for _ in range(3):
+            for a, b in zip(cpu, gpu):
+                gr = torch.randn(a.shape, generator=gen).to(dtype)
+                a.grad, b.grad = gr.clone(), gr.cuda()
+            o_c.step()
+            o_g.step()
+        for a, b in zip(cpu, gpu):
+            ulp = 2.0 ** (torch.frexp(a.float())[1] - (8 if dtype == torch.bfloat16 else 21))
+            assert ((a.float() - b.cpu().float()).abs() <= ulp).all(), dtype
     p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda").bfloat16())
     q = torch.nn.Parameter(p.detach().clone())
     o_sr = A.AdamW4bit([p], lr=1e-3, preset="torchao", param_rounding="sr")
