@@ -3392,6 +3392,28 @@ def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
         train.main(args + ["--max_iters", "400", "--seed", "1", "--resume"])
 
 
+
+def test_train_bf16_params_with_master_weight_bits_resumes(corpus, tmp_path):
+    """--param_dtype bf16 --master_weight_bits 24: the checkpoint holds BF16 weights and an int8
+    param_correction per weight, a stopped-and-resumed run ends where the uninterrupted one does;
+    the BF16-write flags without BF16 parameters, or together, are one-line errors."""
+    for flags in (["--param_rounding", "sr"], ["--optim", "adamw", "--param_dtype", "bf16", "--master_weight_bits", "24"],
+                  ["--optim", "zipsr", "--param_dtype", "bf16", "--param_rounding", "sr", "--master_weight_bits", "24"]):
+        with pytest.raises(SystemExit):
+            train.main(base_args(corpus, tmp_path / "x", *flags))
+    args = base_args(corpus, tmp_path / "a", "--optim", "zipsr", "--param_dtype", "bf16", "--master_weight_bits", "24",
+                     "--max_iters", "4", "--eval_interval", "2")
+    train.main(args)
+    args_b = [a if a != str(tmp_path / "a") else str(tmp_path / "b") for a in args]
+    train.main(args_b + ["--stop_after", "2"])
+    train.main(args_b + ["--resume"])
+    ca = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
+    cb = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)
+    assert {t.dtype for t in ca["model"].values() if t.is_floating_point()} == {torch.bfloat16}
+    corr = [st["param_correction"] for st in ca["optimizer"]["state"].values()]
+    assert corr and all(c.dtype == torch.int8 for c in corr) and any(c.abs().max() > 0 for c in corr)
+    assert _tensors_equal(ca["model"], cb["model"]) and _tensors_equal(ca["optimizer"], cb["optimizer"])
+
 # =============================================================================================
 # bench.py: the sections that also run on CPU (no timing is asserted)
 
