@@ -3420,11 +3420,14 @@ def test_train_bf16_params_with_master_weight_bits_resumes(corpus, tmp_path):
 def test_bench_memory_matches_the_arithmetic():
     import bench
     res = bench.bench_memory(preset="nano", T=64, batch=2, device="cpu")
-    assert len(res["rows"]) == 8
+    assert len(res["rows"]) == 10
     for r in res["rows"]:
         assert r["measured_B_per_param"] == pytest.approx(r["arithmetic_B_per_param"], rel=1e-12), r
-        assert r["measured_B_per_param"]["weights"] == 4.0 and r["measured_B_per_param"]["grads"] == 4.0
-    by = {(r["method"], r["memory"], r["optim"]): r for r in res["rows"]}
+        w = 2.0 if r["param_dtype"] == "bf16" else 4.0
+        assert r["measured_B_per_param"]["weights"] == w and r["measured_B_per_param"]["grads"] == w
+    bf = [r["measured_B_per_param"]["optimizer"] for r in res["rows"] if r["param_dtype"] == "bf16"]
+    assert bf[1] == pytest.approx(bf[0] + 1.0, rel=1e-12)     # master_weight_bits=24: +1 B/param
+    by = {(r["method"], r["memory"], r["optim"]): r for r in res["rows"] if r["param_dtype"] == "fp32"}
     assert by[("bf16", "save", "adamw")]["measured_B_per_param"]["optimizer"] == 8.0
     assert by[("gaussws", "recompute", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] == 0.0
     assert by[("gaussws", "save", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] > 0.0
