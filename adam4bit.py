@@ -43,6 +43,20 @@ Presets (paper B, Table 2), the `preset` argument of AdamW4bit:
 Each component can be overridden (m_codebook, m_rounding, v_codebook, v_rounding, eden,
 lm_head_sr_after), one row of paper B Table 3 per call.
 
+Parameters may be FP32 (the master weights), or BF16 / FP16 (the math runs in FP32 and the new
+weight w_t is written back in the parameter's dtype). The BF16 write, `param_rounding`:
+  "rtn"   round to nearest even (what a cast does);
+  "sr"    stochastic rounding: with u ~ U[0, 1) and k = floor(u 2^16), add k to the FP32 bit
+          pattern of w_t and keep its top 16 bits (round away from zero with probability equal
+          to the dropped fraction of a BF16 ulp: E[bf16(w_t)] = w_t);
+and `master_weight_bits=24` keeps one int8 correction e per BF16 weight x, so that the master
+weight has 16 significant bits (8 exponent + 16 = 24 bits with x):
+  [MW]    w = x + e 2^(E-15),  E = max(exponent of x, -111),  e in [-127, 127];
+          written as x = RTN_bf16(w_t), e = clamp(round_half_even((w_t - x) 2^(15-E)), -127, 127)
+(2^(E-15) is 1/256 of x's BF16 ulp and |w_t - x| <= ulp/2, so the master weight is w_t within
+half a unit, or within one unit for the 1/256 of residuals clamped from +-128 to +-127;
+x + e 2^(E-15) is exact in FP32). The step reads w = x + e 2^(E-15) instead of x.
+
 impl="torch" runs the reference step (adamw4bit_step_torch), impl="triton" the fused kernel
 (adamw4bit_step_triton; CUDA, or CPU with TRITON_INTERPRET=1), impl="auto" the kernel on CUDA
 tensors and the reference otherwise. Both give the same bits given the same SR uniforms.
@@ -270,6 +284,90 @@ def update_relative_error(u_q, u_32):
 
 
 # ============================================================================================
+# The parameter write (reference): BF16 RTN / SR and the 24-bit master weight, eq. MW
+
+PARAM_ROUNDINGS = ("rtn", "sr")
+MASTER_WEIGHT_BITS = (None, 24)
+
+
+def _bf16_bits_rtn(bits):
+    # round-to-nearest-even of float32 bit patterns (int32) to BF16, the result's bits in the top
+    # half: add 0x7FFF plus the lowest kept bit, clear the low half (a NaN is kept as it is)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return torch.where((bits & 0x7FFFFFFF) > 0x7F800000, bits & -65536 | 0x400000, r)
+
+
+def round_to_bf16(w, rule="rtn", u=None):
+    """Round float32 w to bfloat16 (module docstring: "rtn" = round to nearest even, "sr" =
+    stochastic rounding from uniforms u, k = floor(u 2^16) added to the dropped 16 bits).
+
+    w: float32 tensor, any shape; u: float32 uniforms in [0, 1) shaped like w (rule="sr").
+    Returns a bfloat16 tensor shaped like w (NaN stays NaN). SR is unbiased: E[result] = w for
+    finite w below the largest BF16 value. Raises ValueError on an unknown rule or missing u."""
+    if rule not in PARAM_ROUNDINGS:
+        raise ValueError(f"rule must be one of {PARAM_ROUNDINGS}, got {rule!r}")
+    bits = w.float().contiguous().view(torch.int32)
+    if rule == "rtn":
+        out = _bf16_bits_rtn(bits)
+    else:
+        if u is None or u.shape != w.shape:
+            raise ValueError(f"rule='sr' needs uniforms u shaped like w {tuple(w.shape)}, got "
+                             f"{None if u is None else tuple(u.shape)}")
+        k = (u.float() * 65536).to(torch.int32)          # floor: u >= 0
+        out = torch.where(w != w, _bf16_bits_rtn(bits), (bits + k) & -65536)
+    return (out >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+def _correction_unit(x):
+    # eq. MW: 2^(E-15) and 2^(15-E) for BF16 values x (as float32), from x's exponent field,
+    # raised to 16 (E >= -111) so that both are normal float32 numbers
+    e = ((x.float().view(torch.int32) >> 23) & 0xFF).clamp(min=16)
+    return ((e - 15) << 23).view(torch.float32), ((269 - e) << 23).view(torch.float32)
+
+
+def split_master(w):
+    """The 24-bit master weight of eq. MW from float32 w: (x, e) with x = RTN_bf16(w) (bfloat16,
+    w's shape) and e = clamp(round_half_even((w - x) 2^(15-E)), -127, 127) (int8, w's shape);
+    e = 0 where w is NaN or infinite."""
+    x = round_to_bf16(w)
+    xf = x.float()
+    _, inv_unit = _correction_unit(xf)
+    y = (w.float() - xf) * inv_unit                  # exact: a power-of-two multiple
+    y = torch.where(y == y, y, torch.zeros_like(y))
+    return x, torch.round(y).clamp(-127, 127).to(torch.int8)
+
+
+def join_master(x, e):
+    """Inverse of split_master: float32 w = x + e 2^(E-15) (eq. MW), exact; x bfloat16, e int8
+    of one shape."""
+    xf = x.float()
+    unit, _ = _correction_unit(xf)
+    return xf + e.float() * unit
+
+
+def write_param(param, w, rule="rtn", correction=None, u=None):
+    """Write float32 w (param's numel) into param in place: FP32 as is, FP16 rounded to nearest,
+    BF16 by `rule` (round_to_bf16), or, with `correction` (int8 like param), as the 24-bit
+    master weight of eq. MW (x into param, e into correction; RTN)."""
+    w = w.reshape(param.shape)
+    if param.dtype != torch.bfloat16:
+        param.copy_(w)
+    elif correction is not None:
+        x, e = split_master(w)
+        param.copy_(x)
+        correction.copy_(e.view_as(correction))
+    else:
+        param.copy_(round_to_bf16(w, rule, None if u is None else u.view(w.shape)))
+
+
+def read_param(param, correction=None):
+    """The float32 weight the step starts from: param, or join_master(param, correction)."""
+    if correction is None:
+        return param.detach().float()
+    return join_master(param.detach(), correction.view_as(param))
+
+
+# ============================================================================================
 # The reference step (plain PyTorch): eq. 2.1a-b, then Def. 3 / App. A.2 / eq. 3.2 storage
 
 def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed, u=None):
@@ -277,15 +375,19 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
     storage by Def. 3 / App. A.2, EDEN eq. 3.2): the specification adamw4bit_step_triton matches
     bit for bit. Runs under torch.no_grad() (AdamW4bit.step's).
 
-    param:  float tensor, updated in place (math in float32, cast back); numel a multiple of
-            cfg["block_size"]. grad: float32 or bfloat16, param's shape.
+    param:  float32, bfloat16 or float16 tensor, updated in place (math in float32, written back
+            by write_param); numel a multiple of cfg["block_size"]. grad: float32, bfloat16 or
+            float16, param's shape.
     state:  dict holding exp_avg, exp_avg_sq (packed codes, uint8 (numel/2,)) and exp_avg_scale,
             exp_avg_sq_scale (float32 (numel/block_size,)); replaced by the stored new moments.
+            With a "param_correction" entry (int8, param's shape; BF16 param) the weight is the
+            24-bit master weight of eq. MW, read and written through it.
     lr, b1, b2, eps, wd: AdamW's (floats); t: this step's number (>= 1, bias corrections).
-    cfg:    the quantizer configuration (AdamW4bit.qcfg: m_codebook, v_codebook, v_rounding,
-            eden, block_size). m_rounding: "rtn"|"sr", the first moment's rule this step.
-    seed:   seeds the generator of the SR uniforms (m's first, then v's); u: optional pair of
-            float32 tensors (u_m, u_v), numel each, replacing them (kernel tests).
+    cfg:    the configuration (AdamW4bit.qcfg: m_codebook, v_codebook, v_rounding, eden,
+            block_size, param_rounding). m_rounding: "rtn"|"sr", the first moment's rule this step.
+    seed:   seeds the generator of the SR uniforms (m's first, then v's, then the BF16 write's);
+            u: optional tuple of float32 tensors (u_m, u_v[, u_p]), numel each, replacing them
+            (kernel tests).
     Raises ValueError (from quantize_blockwise) on sizes or uniforms that do not fit.
     """
     B = cfg["block_size"]
@@ -298,18 +400,26 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
     # eq. 2.1b, the AdamW update with the working moments (update-before-storage)
     bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
     decay, step_size = 1 - lr * wd, lr / bc1
-    w = param.detach().reshape(-1).float()
+    corr = state.get("param_correction")
+    w = read_param(param, corr).reshape(-1)                          # eq. MW with a correction
     w = w * decay - step_size * m / _denominator(v, bc2, eps)       # eq. 3.1: r_t(v~)
-    param.copy_(w.view_as(param))
     # eq. D3 + A.2: store both moments; v in its coordinate (eq. 3.1 for Update-*) and with
     # EDEN (eq. 3.2)
     gen = torch.Generator(device=param.device).manual_seed(seed)
-    u_m, u_v = u if u is not None else (None, None)
+    u_m, u_v, u_p = (tuple(u) + (None,))[:3] if u is not None else (None, None, None)
     v_coord, v_rule = cfg["v_rounding"].split("-")
     state["exp_avg"], state["exp_avg_scale"] = quantize_blockwise(
         m, cfg["m_codebook"], B, m_rounding, "state", u=u_m, generator=gen)
     state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blockwise(
         v, cfg["v_codebook"], B, v_rule, v_coord, bc2, eps, cfg["eden"], u=u_v, generator=gen)
+    _write_step(param, w, corr, cfg.get("param_rounding", "rtn"), u_p, gen)
+
+
+def _write_step(param, w, corr, rule, u_p, gen):
+    # the step's parameter write (write_param); the BF16 SR uniforms come after m's and v's
+    if rule == "sr" and param.dtype == torch.bfloat16 and corr is None and u_p is None:
+        u_p = torch.rand(w.shape, dtype=torch.float32, device=w.device, generator=gen)
+    write_param(param, w, rule, corr, u_p)
 
 
 # SR seeds: the bits of step t depend only on (seed, t, parameter index)
@@ -332,36 +442,65 @@ def _sr_seed(seed, t, index):
     return (_seed_of_step(seed, t) + _seed_of_index(index)) % _SEED_MOD
 
 
-def _adamw_fp32_steps(items, lr, b1, b2, eps, wd):
+def _adamw_fp32_steps(items, lr, b1, b2, eps, wd, rule="rtn", seeds=None):
     """AdamW on FP32 states (paper B's 32-bit baseline; also tensors too small to quantize).
     items: (param, state, t) triples. CUDA: torch's fused AdamW kernel, one launch per step
-    value. Elsewhere: the reference loop, in torch.optim.AdamW's single-tensor operation order
-    (matches it to rounding)."""
+    value (BF16/FP16 parameters: on one FP32 copy of them all, written back by write_param).
+    Elsewhere: the reference loop, in torch.optim.AdamW's single-tensor operation order
+    (matches it to rounding), with the parameter written by write_param (rule: param_rounding;
+    seeds: the SR seed of each item, for rule="sr"); a state's "param_correction" makes the
+    weight eq. MW's master weight."""
     if not items:
         return
-    if items[0][0].is_cuda and all(p.dtype == torch.float32 for p, _, _ in items):
+    if items[0][0].is_cuda:
         by_t = {}
-        for p, st, t in items:
-            by_t.setdefault(t, []).append((p, st))
-        for t, its in by_t.items():
-            ps = [p for p, _ in its]
+        for i, (p, st, t) in enumerate(items):
+            by_t.setdefault((t, p.dtype), []).append((p, st, seeds[i] if seeds else 0))
+        for (t, _), its in by_t.items():
+            ps = [p for p, _, _ in its]
             step = torch.full((), float(t), dtype=torch.float32, device=ps[0].device)
-            torch._fused_adamw_(ps, [p.grad.float() for p in ps], [st["exp_avg"] for _, st in its],
-                                [st["exp_avg_sq"] for _, st in its], [], [step] * len(ps),
+            if ps[0].dtype == torch.float32:
+                ws, gs = ps, [p.grad.float() for p in ps]
+            else:     # the small tensors as one flat FP32 buffer: a few launches, not a few per tensor
+                sizes = [p.numel() for p in ps]
+                corr = [st.get("param_correction") for _, st, _ in its]
+                has_corr = all(c is not None for c in corr)
+                flat = torch.cat([p.detach().reshape(-1) for p in ps])
+                if has_corr:
+                    flat = join_master(flat, torch.cat([c.reshape(-1) for c in corr]))
+                flat = flat.float()
+                ws = list(flat.split(sizes))
+                gs = list(torch.cat([p.grad.reshape(-1) for p in ps]).float().split(sizes))
+            # the moments shaped like ws (flat for the 16-bit copy)
+            ms, vs = ([st[k].view_as(w) for (_, st, _), w in zip(its, ws)] for k in ("exp_avg", "exp_avg_sq"))
+            torch._fused_adamw_(ws, gs, ms, vs, [], [step] * len(ps),
                                 lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                                 amsgrad=False, maximize=False)
+            if ps[0].dtype != torch.float32:
+                flat_p = torch.empty(flat.shape, dtype=ps[0].dtype, device=flat.device)
+                flat_c = torch.empty(flat.shape, dtype=torch.int8, device=flat.device) if has_corr else None
+                gen = torch.Generator(device=flat.device).manual_seed(its[0][2])
+                _write_step(flat_p, flat, flat_c, rule, None, gen)
+                torch._foreach_copy_(ps, [x.view_as(p) for x, p in zip(flat_p.split(sizes), ps)])
+                if flat_c is not None:
+                    torch._foreach_copy_(corr, [x.view_as(c) for x, c in zip(flat_c.split(sizes), corr)])
         return
-    for p, st, t in items:
+    for i, (p, st, t) in enumerate(items):
         m, v = st["exp_avg"], st["exp_avg_sq"]
         g = p.grad.float()
-        w = p.detach().float()
+        corr = st.get("param_correction")
+        w = read_param(p, corr) if corr is not None else p.detach().float()
         w.mul_(1 - lr * wd)
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
         denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
         w.addcdiv_(m, denom, value=-lr / bc1)
-        p.copy_(w)
+        if p.dtype == torch.bfloat16 and (corr is not None or rule == "sr"):
+            gen = torch.Generator(device=p.device).manual_seed(seeds[i] if seeds else 0)
+            _write_step(p, w, corr, rule, None, gen)
+        else:
+            p.copy_(w)
 
 
 # ============================================================================================
@@ -532,11 +671,11 @@ class AdamW4bit(torch.optim.Optimizer):
     """AdamW with block-quantized 4-bit moments (paper B, Sec. 2.1, Def. 3, Table 2).
 
     params:       iterable of tensors or param-group dicts (per-group lr, betas, eps,
-                  weight_decay, quantize). Parameters are the FP32 master weights (bf16/fp16 also
-                  work: the math runs in FP32 and the result is cast back). A group with
-                  quantize=False keeps FP32 states for all its tensors (e.g. embeddings and the
-                  LM head, as bitsandbytes' GlobalOptimManager does); the option is saved in
-                  state_dict(), so a resumed run keeps the policy.
+                  weight_decay, quantize). Parameters are FP32 master weights, or BF16 / FP16
+                  weights: the math runs in FP32 and the result is written back (param_rounding).
+                  A group with quantize=False keeps FP32 states for all its tensors (e.g.
+                  embeddings and the LM head, as bitsandbytes' GlobalOptimManager does); the
+                  option is saved in state_dict(), so a resumed run keeps the policy.
     lr:           float or 0-d tensor (works with torch.optim.lr_scheduler).
     betas, eps, weight_decay: AdamW's; weight decay is decoupled: w <- (1 - lr wd) w.
     preset:       "fp32" (plain AdamW, FP32 states), "torchao" (SDyn4 State-RTN m, Lin4-NZ
@@ -557,9 +696,16 @@ class AdamW4bit(torch.optim.Optimizer):
                   reference under "auto" and is a ValueError under "triton".
     seed:         seeds the SR random bits; bits of step t depend only on (seed, t, parameter
                   index), so a resumed run draws the same bits.
+    param_rounding: how BF16 parameters are written (module docstring): "rtn" (round to nearest
+                  even, a cast) or "sr" (stochastic rounding, unbiased; TorchAO's
+                  bf16_stochastic_round). FP32 parameters are written exactly, FP16 ones RTN.
+    master_weight_bits: None, or 24 (FlashOptim's name): each BF16 parameter gets an int8
+                  state "param_correction", the rounding residual of eq. MW, so the weights the
+                  step updates have 16 significant bits, not 8 (+1 B/param). RTN writes only.
 
     State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
-    exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise.
+    exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise;
+    with master_weight_bits=24 also param_correction (int8, the parameter's shape; BF16 ones).
     FSDP2 (fully_shard) parameters: eligibility from the global tensor, each rank steps its
     shard, states are DTensors that DCP reshards (see "FSDP2 (DTensor) parameters" above).
     state["step"] is a Python float (as in torch.optim before 1.12): no tensor op per parameter
@@ -582,8 +728,16 @@ class AdamW4bit(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  preset="zipsr", block_size=128, impl="auto", seed=0, *, m_codebook=None,
                  m_rounding=None, v_codebook=None, v_rounding=None, eden=None,
-                 lm_head_sr_after="preset"):
+                 lm_head_sr_after="preset", param_rounding="rtn", master_weight_bits=None):
         _check_hparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "")
+        if not isinstance(param_rounding, str) or param_rounding not in PARAM_ROUNDINGS:
+            raise ValueError(f"param_rounding must be one of {PARAM_ROUNDINGS}, got {param_rounding!r}")
+        if master_weight_bits not in MASTER_WEIGHT_BITS or isinstance(master_weight_bits, bool):
+            raise ValueError(f"master_weight_bits must be one of {MASTER_WEIGHT_BITS}, got "
+                             f"{master_weight_bits!r}")
+        if master_weight_bits == 24 and param_rounding == "sr":
+            raise ValueError("master_weight_bits=24 keeps the rounding residual of a round-to-"
+                             "nearest write: use param_rounding='rtn' with it, not 'sr'")
         if not isinstance(preset, str) or preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
         _check_block_size(block_size)
@@ -593,6 +747,7 @@ class AdamW4bit(torch.optim.Optimizer):
             raise TypeError(f"seed must be a nonnegative int, got {seed!r}")
         self.qcfg = cfg = _quantizer_config(preset, block_size, m_codebook, m_rounding, v_codebook,
                                             v_rounding, eden, lm_head_sr_after)
+        cfg.update(param_rounding=param_rounding, master_weight_bits=master_weight_bits)
         self.impl = impl
         # the kernel's lookup tables (CPU; copied to each device at its first step). Their buckets
         # need levels >= ~0.004 apart (_bucket_lut); None: impl="torch", FP32 states, or a codebook
@@ -625,6 +780,11 @@ class AdamW4bit(torch.optim.Optimizer):
             if not p.is_floating_point():
                 raise TypeError(f"AdamW4bit needs real floating-point parameters, got {p.dtype} "
                                 f"of shape {tuple(p.shape)}")
+            if p.dtype == torch.float16 and (self.qcfg["param_rounding"] == "sr"
+                                             or self.qcfg["master_weight_bits"]):
+                raise TypeError(f"param_rounding={self.qcfg['param_rounding']!r}, master_weight_bits="
+                                f"{self.qcfg['master_weight_bits']!r} need bfloat16 or float32 "
+                                f"parameters, got float16 of shape {tuple(p.shape)}")
 
     # ---- trainer hooks ----------------------------------------------------------------------
     def mark_lm_head(self, param):
@@ -693,12 +853,19 @@ class AdamW4bit(torch.optim.Optimizer):
         else:
             st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        if self.qcfg["master_weight_bits"] and p.dtype == torch.bfloat16:
+            if _is_dtensor(p):   # the gathered step would pair a full weight with a shard's bytes
+                raise ValueError("master_weight_bits=24 does not support FSDP2 (DTensor) parameters; "
+                                 "use master_weight_bits=None (param_rounding='sr' works) or DDP")
+            # eq. MW with e = 0: the master weight starts as the BF16 weight
+            st["param_correction"] = torch.zeros_like(p, dtype=torch.int8)
         return st
 
     def state_nbytes(self):
-        """Persistent optimizer-state bytes: codes, scales and FP32 moments (the scalar step
-        counters are not counted). 1.0625 B/param on quantized tensors, 8 on FP32 ones. For
-        FSDP2 (DTensor) states: the bytes this rank holds."""
+        """Persistent optimizer-state bytes: codes, scales, FP32 moments and param_correction
+        (the scalar step counters are not counted). 1.0625 B/param on quantized tensors, 8 on
+        FP32 ones, + 1 with master_weight_bits=24 on BF16 ones. For FSDP2 (DTensor) states: the
+        bytes this rank holds."""
         local = lambda t: t.to_local() if _is_dtensor(t) else t   # noqa: E731
         return sum(local(t).numel() * t.element_size() for st in self.state.values()
                    for k, t in st.items() if k != "step" and torch.is_tensor(t))
@@ -731,7 +898,7 @@ class AdamW4bit(torch.optim.Optimizer):
                               adam4bit_extra=groups[0]["adam4bit"]["extra"])
         if "adam4bit" not in state_dict:
             raise ValueError("not an AdamW4bit state dict (no 'adam4bit' entry); refusing to load")
-        saved = state_dict["adam4bit"]
+        saved = dict(dict(param_rounding="rtn", master_weight_bits=None), **state_dict["adam4bit"])
         mine = {k: self.qcfg[k] for k in sorted(self.qcfg)}
         def same(a, b):   # codebooks may be tensors (custom levels)
             if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -785,7 +952,7 @@ class AdamW4bit(torch.optim.Optimizer):
             lr = group["lr"]
             lr = float(lr.item()) if torch.is_tensor(lr) else float(lr)
             hp = (lr, *group["betas"], group["eps"], group["weight_decay"])
-            fp32, quant = [], {}
+            fp32, seeds, quant = [], [], {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -808,14 +975,15 @@ class AdamW4bit(torch.optim.Optimizer):
                         continue
                 if not quantized:
                     fp32.append((p, st, t))
+                    seeds.append(_sr_seed(self.seed, t, sidx))
                     continue
                 if self._use_triton(p, interp):
-                    quant.setdefault((t, p.grad.dtype, m_rule), []).append((p, st, sidx))
+                    quant.setdefault((t, p.dtype, p.grad.dtype, m_rule), []).append((p, st, sidx))
                 else:
                     adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule,
                                          _sr_seed(self.seed, t, sidx))
-            _adamw_fp32_steps(fp32, *hp)
-            for (t, _, m_rule), items in quant.items():
+            _adamw_fp32_steps(fp32, *hp, self.qcfg["param_rounding"], seeds)
+            for (t, _, _, m_rule), items in quant.items():
                 adamw4bit_step_triton(items, *hp, t, self.qcfg, m_rule, _seed_of_step(self.seed, t),
                                       self._kernel_tabs, self._kernel_cache)
         for args in writeback:
@@ -825,11 +993,11 @@ class AdamW4bit(torch.optim.Optimizer):
     def _use_triton(self, p, interp):
         if self._kernel_tabs is None:
             return False
-        ok = (p.is_cuda or interp) and p.dtype == torch.float32 and p.is_contiguous() and \
-            p.grad.dtype in (torch.float32, torch.bfloat16) and p.grad.is_contiguous()
+        ok = (p.is_cuda or interp) and p.dtype in KERNEL_DTYPES and p.is_contiguous() and \
+            p.grad.dtype in KERNEL_DTYPES and p.grad.is_contiguous()
         if self.impl == "triton" and not ok:
             raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
-                             "contiguous float32 parameters and float32/bfloat16 gradients; got "
+                             "contiguous float32/bfloat16/float16 parameters and gradients; got "
                              f"{p.device} {p.dtype} param, {p.grad.dtype} grad")
         return ok and (p.is_cuda or self.impl == "triton")
 
@@ -847,6 +1015,8 @@ class AdamW4bit(torch.optim.Optimizer):
 # tile's arithmetic (more bytes in flight without more warps).
 
 KERNEL_ELEMS = 128      # elements per tile (one warp)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)    # param and grad dtypes
+_DTYPE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 KERNEL_TILES = 16       # tiles per Triton program (setup amortized; 2 tiles share a Philox call)
 # registers per thread, RTN-only steps / steps that draw SR bits or sum for EDEN: 64 keeps 32
 # one-warp programs per SM; the SR and EDEN steps, with more live values, do better with 72
@@ -868,7 +1038,10 @@ def _adamw4bit_kernel(
         seed_of_step, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
         # the configuration: rounding rules (eq. A.2), EDEN (eq. 3.2), input types and layout
         M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr, EDEN: tl.constexpr,
-        GRAD_BF16: tl.constexpr, HAS_U: tl.constexpr, ALIGNED: tl.constexpr,
+        HAS_U: tl.constexpr, ALIGNED: tl.constexpr,
+        # parameter and gradient dtypes (_DTYPE_KIND: 0 FP32, 1 BF16, 2 FP16) and the BF16 write:
+        # SR (P_SR) or eq. MW's 24-bit master weight (P_CORR)
+        P_KIND: tl.constexpr, G_KIND: tl.constexpr, P_SR: tl.constexpr, P_CORR: tl.constexpr,
         # tiling: BLOCK_SIZE elements per scale block, NB blocks per tile, TILES tiles per program
         BLOCK_SIZE: tl.constexpr, NB: tl.constexpr, TILES: tl.constexpr):
     # A program does TILES tiles of NB consecutive blocks of one tensor, two tiles per loop
@@ -877,8 +1050,11 @@ def _adamw4bit_kernel(
     row = launch_table + tl.load(program_tensor + pid) * TAB_WIDTH
     n_blocks = tl.load(row + TAB_N_BLOCKS)
     first = (pid - tl.load(row + TAB_FIRST_PROGRAM)) * (NB * TILES)      # first block of this program
-    param = tl.load(row + TAB_PARAM).to(tl.pointer_type(tl.float32))
-    grad = tl.load(row + TAB_GRAD).to(tl.pointer_type(tl.bfloat16 if GRAD_BF16 else tl.float32))
+    param = tl.load(row + TAB_PARAM).to(tl.pointer_type(
+        tl.bfloat16 if P_KIND == 1 else tl.float16 if P_KIND == 2 else tl.float32))
+    grad = tl.load(row + TAB_GRAD).to(tl.pointer_type(
+        tl.bfloat16 if G_KIND == 1 else tl.float16 if G_KIND == 2 else tl.float32))
+    corr = tl.load(row + TAB_CORRECTION).to(tl.pointer_type(tl.int8))
     exp_avg = tl.load(row + TAB_EXP_AVG).to(tl.pointer_type(tl.uint8))
     exp_avg_scale = tl.load(row + TAB_EXP_AVG_SCALE).to(tl.pointer_type(tl.float32))
     exp_avg_sq = tl.load(row + TAB_EXP_AVG_SQ).to(tl.pointer_type(tl.uint8))
@@ -886,19 +1062,20 @@ def _adamw4bit_kernel(
     seed = (seed_of_step + tl.load(row + TAB_SEED_OF_INDEX)) % _SEED_MOD_TL     # _sr_seed
     u_m = tl.load(row + TAB_U_M).to(tl.pointer_type(tl.float32))
     u_v = tl.load(row + TAB_U_V).to(tl.pointer_type(tl.float32))
+    u_p = tl.load(row + TAB_U_P).to(tl.pointer_type(tl.float32))
     # A tile is held as two (NB, BLOCK_SIZE/2) halves, the even and the odd elements: they are the
     # low and high nibbles of one byte, so decode and packing need no data exchange between threads.
     pair = tl.arange(0, NB)[:, None] * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)[None, :]
     last = tl.minimum(first + NB * TILES, n_blocks)
-    a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(param, grad, exp_avg, exp_avg_scale, exp_avg_sq,
+    a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(param, grad, corr, exp_avg, exp_avg_scale, exp_avg_sq,
                                                 exp_avg_sq_scale, first, n_blocks, b1, b2, NB > 1,
-                                                GRAD_BF16, ALIGNED, BLOCK_SIZE, NB)
+                                                P_KIND, G_KIND, P_CORR, ALIGNED, BLOCK_SIZE, NB)
     for f in tl.range(first, last, 2 * NB, num_stages=1):
         # rotated: tile f's inputs were loaded in the previous iteration, tile f + NB's loads are
         # in flight during tile f's arithmetic and tile f + 2 NB's during tile f + NB's (more
         # bytes in flight without more warps). Tiles past the program's end are masked.
-        b = _load_tile(param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f + NB, last,
-                       b1, b2, True, GRAD_BF16, ALIGNED, BLOCK_SIZE, NB)
+        b = _load_tile(param, grad, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f + NB,
+                       last, b1, b2, True, P_KIND, G_KIND, P_CORR, ALIGNED, BLOCK_SIZE, NB)
         um0 = 0.0
         um1 = 0.0
         uv0 = 0.0
@@ -907,6 +1084,10 @@ def _adamw4bit_kernel(
         um3 = 0.0
         uv2 = 0.0
         uv3 = 0.0
+        up0 = 0.0
+        up1 = 0.0
+        up2 = 0.0
+        up3 = 0.0
         if HAS_U:    # tests: the caller's uniforms
             ok = pair // (BLOCK_SIZE // 2) < n_blocks - f        # rows inside the tensor
             um0 = tl.load(u_m + f * BLOCK_SIZE + 2 * pair, mask=ok, other=0.0)
@@ -918,34 +1099,44 @@ def _adamw4bit_kernel(
             um3 = tl.load(u_m + (f + NB) * BLOCK_SIZE + 2 * pair + 1, mask=ok, other=0.0)
             uv2 = tl.load(u_v + (f + NB) * BLOCK_SIZE + 2 * pair, mask=ok, other=0.0)
             uv3 = tl.load(u_v + (f + NB) * BLOCK_SIZE + 2 * pair + 1, mask=ok, other=0.0)
+            if P_SR:
+                up2 = tl.load(u_p + (f + NB) * BLOCK_SIZE + 2 * pair, mask=ok, other=0.0)
+                up3 = tl.load(u_p + (f + NB) * BLOCK_SIZE + 2 * pair + 1, mask=ok, other=0.0)
+                ok = pair // (BLOCK_SIZE // 2) < n_blocks - f
+                up0 = tl.load(u_p + f * BLOCK_SIZE + 2 * pair, mask=ok, other=0.0)
+                up1 = tl.load(u_p + f * BLOCK_SIZE + 2 * pair + 1, mask=ok, other=0.0)
         else:        # one Philox call per two bytes serves both tiles (_uniforms)
             if V_SR:
                 uv0, uv1, uv2, uv3 = _uniforms(seed, f * (BLOCK_SIZE // 2) + pair, 0)
             if M_SR:
                 um0, um1, um2, um3 = _uniforms(seed, f * (BLOCK_SIZE // 2) + pair, 1)
-        _step_tile(a0, a1, a2, a3, a4, a5, a6, a7, um0, um1, uv0, uv1,
-                   param, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f, n_blocks,
+            if P_SR:
+                up0, up1, up2, up3 = _uniforms(seed, f * (BLOCK_SIZE // 2) + pair, 2)
+        _step_tile(a0, a1, a2, a3, a4, a5, a6, a7, um0, um1, uv0, uv1, up0, up1,
+                   param, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f, n_blocks,
                    m_decode, v_decode, v_codebook, m_lut, v_lut, m_hn, v_hn, m_adjacent, v_adjacent,
                    decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
-                   NB > 1, M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BLOCK_SIZE, NB)
-        a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(param, grad, exp_avg, exp_avg_scale, exp_avg_sq,
-                                                    exp_avg_sq_scale, f + 2 * NB, last, b1, b2,
-                                                    True, GRAD_BF16, ALIGNED, BLOCK_SIZE, NB)
-        _step_tile(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], um2, um3, uv2, uv3,
-                   param, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f + NB, last,
+                   NB > 1, M_SR, V_SR, V_UPDATE, EDEN, P_KIND, P_SR, P_CORR, ALIGNED, BLOCK_SIZE, NB)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _load_tile(param, grad, corr, exp_avg, exp_avg_scale,
+                                                    exp_avg_sq, exp_avg_sq_scale, f + 2 * NB, last,
+                                                    b1, b2, True, P_KIND, G_KIND, P_CORR, ALIGNED,
+                                                    BLOCK_SIZE, NB)
+        _step_tile(b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], um2, um3, uv2, uv3, up2, up3,
+                   param, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f + NB, last,
                    m_decode, v_decode, v_codebook, m_lut, v_lut, m_hn, v_hn, m_adjacent, v_adjacent,
                    decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
-                   True, M_SR, V_SR, V_UPDATE, EDEN, ALIGNED, BLOCK_SIZE, NB)
+                   True, M_SR, V_SR, V_UPDATE, EDEN, P_KIND, P_SR, P_CORR, ALIGNED, BLOCK_SIZE, NB)
 
 
 # ---- the kernel's helpers --------------------------------------------------------------------
 
 @triton.jit
-def _load_tile(param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, first, lim, b1, b2,
-               MASK: tl.constexpr, GRAD_BF16: tl.constexpr, ALIGNED: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, NB: tl.constexpr):
+def _load_tile(param, grad, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, first, lim,
+               b1, b2, MASK: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
+               P_CORR: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_SIZE: tl.constexpr, NB: tl.constexpr):
     # inputs of blocks first .. first+NB-1 (int64 block index, int32 offsets): both code bytes
-    # (int32), scales times b1 / b2 (NB, 1), and param and grad as even/odd halves (float32).
+    # (int32), scales times b1 / b2 (NB, 1), and param (with P_CORR: eq. MW's master weight) and
+    # grad as even/odd halves (float32).
     # MASK: only rows < lim exist (without masks when every tile is one whole block: cheaper)
     rows = tl.arange(0, NB)
     pair = rows[:, None] * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)[None, :]   # byte index
@@ -955,34 +1146,30 @@ def _load_tile(param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale
     v_byte = _ld(exp_avg_sq + first * (BLOCK_SIZE // 2) + pair, mask).to(tl.int32)
     b1s = (_ld(exp_avg_scale + first + rows, rmask) * b1)[:, None]
     b2s = (_ld(exp_avg_sq_scale + first + rows, rmask) * b2)[:, None]
-    if ALIGNED:      # an element pair is one aligned 64-bit (FP32) or 32-bit (BF16) word
-        w0, w1 = _unpair(_ld(param.to(tl.pointer_type(tl.int64), bitcast=True)
-                             + first * (BLOCK_SIZE // 2) + pair, mask))
-        if GRAD_BF16:    # little-endian: the even element in the low half; BF16 -> FP32 exact
-            gw = _ld(grad.to(tl.pointer_type(tl.int32), bitcast=True)
-                     + first * (BLOCK_SIZE // 2) + pair, mask)
-            g0 = (gw << 16).to(tl.float32, bitcast=True)
-            g1 = (gw & -65536).to(tl.float32, bitcast=True)
-        else:
-            g0, g1 = _unpair(_ld(grad.to(tl.pointer_type(tl.int64), bitcast=True)
-                                 + first * (BLOCK_SIZE // 2) + pair, mask))
+    if ALIGNED:      # an element pair is one aligned 64-bit (FP32) or 32-bit (BF16/FP16) word
+        w0, w1 = _load_pair(param, first * (BLOCK_SIZE // 2) + pair, mask, P_KIND)
+        g0, g1 = _load_pair(grad, first * (BLOCK_SIZE // 2) + pair, mask, G_KIND)
     else:
-        w0 = _ld(param + first * BLOCK_SIZE + 2 * pair, mask)
-        w1 = _ld(param + first * BLOCK_SIZE + 2 * pair + 1, mask)
+        w0 = _ld(param + first * BLOCK_SIZE + 2 * pair, mask).to(tl.float32)
+        w1 = _ld(param + first * BLOCK_SIZE + 2 * pair + 1, mask).to(tl.float32)
         g0 = _ld(grad + first * BLOCK_SIZE + 2 * pair, mask).to(tl.float32)
         g1 = _ld(grad + first * BLOCK_SIZE + 2 * pair + 1, mask).to(tl.float32)
+    if P_CORR:       # eq. MW: w = x + e 2^(E-15)
+        w0 = _join_master(w0, _ld(corr + first * BLOCK_SIZE + 2 * pair, mask))
+        w1 = _join_master(w1, _ld(corr + first * BLOCK_SIZE + 2 * pair + 1, mask))
     return m_byte, v_byte, b1s, b2s, w0, w1, g0, g1
 
 
 @triton.jit
-def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1,
-               param, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, first, lim,
+def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1, up0, up1,
+               param, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, first, lim,
                m_decode, v_decode, v_codebook, m_lut, v_lut, m_hn, v_hn, m_adjacent, v_adjacent,
                decay, step_size, one_minus_b1, one_minus_b2, inv_sqrt_bc2, eps,
                MASK: tl.constexpr, M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr,
-               EDEN: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_SIZE: tl.constexpr, NB: tl.constexpr):
+               EDEN: tl.constexpr, P_KIND: tl.constexpr, P_SR: tl.constexpr, P_CORR: tl.constexpr,
+               ALIGNED: tl.constexpr, BLOCK_SIZE: tl.constexpr, NB: tl.constexpr):
     # the step of one tile (adamw4bit_step_torch line by line) from _load_tile's inputs and the
-    # SR uniforms of both halves
+    # SR uniforms of both halves (m, v and the BF16 write)
     rows = tl.arange(0, NB)
     pair = rows[:, None] * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)[None, :]
     rmask = rows < lim - first if MASK else None
@@ -1005,12 +1192,32 @@ def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1,
     r1 = tl.sqrt_rn(v1) * inv_sqrt_bc2 + eps
     w0 = w0 * decay - tl.div_rn(step_size * m0, r0)
     w1 = w1 * decay - tl.div_rn(step_size * m1, r1)
-    if ALIGNED:
-        tl.store(param.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BLOCK_SIZE // 2) + pair,
-                 _join_bits(w0, w1), mask=mask)
-    else:
-        tl.store(param + first * BLOCK_SIZE + 2 * pair, w0, mask=mask)
-        tl.store(param + first * BLOCK_SIZE + 2 * pair + 1, w1, mask=mask)
+    if P_KIND == 0:
+        if ALIGNED:
+            tl.store(param.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BLOCK_SIZE // 2)
+                     + pair, _join_bits(w0, w1), mask=mask)
+        else:
+            tl.store(param + first * BLOCK_SIZE + 2 * pair, w0, mask=mask)
+            tl.store(param + first * BLOCK_SIZE + 2 * pair + 1, w1, mask=mask)
+    else:            # write_param: the 16-bit patterns h0, h1 (low halves of int32)
+        if P_KIND == 2:
+            h0 = w0.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            h1 = w1.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        else:
+            x0 = _bf16_bits(w0, up0, P_SR)
+            x1 = _bf16_bits(w1, up1, P_SR)
+            if P_CORR:
+                tl.store(corr + first * BLOCK_SIZE + 2 * pair, _split_master(w0, x0), mask=mask)
+                tl.store(corr + first * BLOCK_SIZE + 2 * pair + 1, _split_master(w1, x1), mask=mask)
+            h0 = (x0 >> 16) & 0xFFFF
+            h1 = (x1 >> 16) & 0xFFFF
+        if ALIGNED:
+            tl.store(param.to(tl.pointer_type(tl.int32), bitcast=True) + first * (BLOCK_SIZE // 2)
+                     + pair, h0 | (h1 << 16), mask=mask)
+        else:
+            p16 = param.to(tl.pointer_type(tl.int16), bitcast=True) + first * BLOCK_SIZE + 2 * pair
+            tl.store(p16, h0.to(tl.int16), mask=mask)
+            tl.store(p16 + 1, h1.to(tl.int16), mask=mask)
 
     # eq. D3 + A.2: store both moments, s = max(absmax, 1e-12), y = x (1/s). A NaN in the block
     # makes s NaN, as in the reference (tl.maximum would otherwise drop it and leave y huge), so
@@ -1036,6 +1243,52 @@ def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1,
         s = (yy / tl.maximum(yq, 1e-12)).to(tl.float32) * s
     tl.store(exp_avg_sq + pair, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
     tl.store(exp_avg_sq_scale + rows, s, mask=rmask)
+
+
+@triton.jit
+def _load_pair(ptr, pair, mask, KIND: tl.constexpr):
+    # elements 2 pair, 2 pair + 1 as float32 from one aligned word (little-endian: the even
+    # element in the low half); BF16 and FP16 -> FP32 are exact
+    if KIND == 0:
+        lo, hi = _unpair(_ld(ptr.to(tl.pointer_type(tl.int64), bitcast=True) + pair, mask))
+    else:
+        word = _ld(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pair, mask)
+        if KIND == 1:
+            lo = (word << 16).to(tl.float32, bitcast=True)
+            hi = (word & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _bf16_bits(w, u, SR: tl.constexpr):
+    # round_to_bf16 on float32 w: the BF16 result's bits in the top half of an int32
+    bits = w.to(tl.int32, bitcast=True)
+    rtn = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    if SR:
+        rtn = tl.where(nan, rtn, (bits + (u * 65536.0).to(tl.int32)) & -65536)
+    return tl.where(nan, (bits & -65536) | 0x400000, rtn)
+
+
+@triton.jit
+def _join_master(x, e):
+    # join_master: x + e 2^(E-15) (eq. MW), exact in float32
+    eb = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 16)
+    return x + e.to(tl.float32) * ((eb - 15) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_master(w, xbits):
+    # split_master's e (int8) for w and its RTN BF16 bits xbits; round half to even by adding and
+    # subtracting 1.5 2^23 (|y| <= 128 here, or +-inf)
+    eb = tl.maximum((xbits >> 23) & 0xFF, 16)
+    y = (w - xbits.to(tl.float32, bitcast=True)) * ((269 - eb) << 23).to(tl.float32, bitcast=True)
+    y = tl.where(y == y, y, 0.0)
+    y = (y + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int32).to(tl.int8)
 
 
 @triton.jit
@@ -1205,7 +1458,9 @@ TAB_EXP_AVG_SQ_SCALE = tl.constexpr(7)
 TAB_SEED_OF_INDEX = tl.constexpr(8)      # the parameter's term of its SR seed (_seed_of_index)
 TAB_U_M = tl.constexpr(9)                # the caller's uniforms u_m, u_v (float32; 0 without)
 TAB_U_V = tl.constexpr(10)
-TAB_WIDTH = tl.constexpr(11)
+TAB_U_P = tl.constexpr(11)               # and u_p of the BF16 SR write
+TAB_CORRECTION = tl.constexpr(12)        # param_correction (int8, eq. MW; 0 without)
+TAB_WIDTH = tl.constexpr(13)
 
 
 def _program_table(numels, block_size, nb, device):
@@ -1219,10 +1474,10 @@ def _program_table(numels, block_size, nb, device):
 def _launch_table(ptrs, first_programs, block_size, device):
     """The launch table, int64 (tensors, TAB_WIDTH) on `device`, from adamw4bit_step_triton's
     per-tensor tuples (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale data
-    pointers, parameter index, numel[, u_m, u_v pointers])."""
+    pointers, parameter index, numel, param_correction pointer or 0[, u_m, u_v, u_p pointers])."""
     rows = []
     for first, (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, index, numel,
-                *u) in zip(first_programs, ptrs):
+                correction, *u) in zip(first_programs, ptrs):
         row = [0] * TAB_WIDTH.value
         row[TAB_FIRST_PROGRAM] = first
         row[TAB_N_BLOCKS] = numel // block_size
@@ -1233,7 +1488,8 @@ def _launch_table(ptrs, first_programs, block_size, device):
         row[TAB_EXP_AVG_SQ] = exp_avg_sq
         row[TAB_EXP_AVG_SQ_SCALE] = exp_avg_sq_scale
         row[TAB_SEED_OF_INDEX] = _seed_of_index(index)
-        row[TAB_U_M], row[TAB_U_V] = u or (0, 0)
+        row[TAB_U_M], row[TAB_U_V], row[TAB_U_P] = (tuple(u) + (0, 0, 0))[:3]
+        row[TAB_CORRECTION] = correction
         rows.append(row)
     return torch.tensor(rows, dtype=torch.int64).to(device)
 
@@ -1245,16 +1501,17 @@ def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_o
     """adamw4bit_step_torch for many tensors in one launch of _adamw4bit_kernel (paper B, eq.
     2.1a-b, Def. 3 / App. A.2 storage, EDEN eq. 3.2), bit for bit given the same SR uniforms.
 
-    items:  (param, state, index) triples of one device, gradient dtype and step t: param a
-            contiguous float32 tensor with a contiguous float32/bfloat16 grad, numel a multiple
-            of cfg["block_size"]; state as in adamw4bit_step_torch (written in place); index the
+    items:  (param, state, index) triples of one device, parameter dtype, gradient dtype and
+            step t: param a contiguous float32/bfloat16/float16 tensor with a contiguous grad of
+            one of these dtypes, numel a multiple of cfg["block_size"]; state as in
+            adamw4bit_step_torch (written in place, with its param_correction if any); index the
             parameter's position from 1 (its SR seed is _sr_seed(seed, t, index)).
     lr, b1, b2, eps, wd, t, cfg, m_rounding: as in adamw4bit_step_torch.
     seed_of_step: _seed_of_step(seed, t), the step's term of every tensor's SR seed.
     tables: _kernel_tables(cfg) (CPU); cache: a dict kept per optimizer, filled here with the
             tables on each device and the program and launch tables of each set of tensors.
-    u:      optional list of (u_m, u_v) float32 uniform tensors per item, replacing the kernel's
-            Philox bits (tests).
+    u:      optional list of (u_m, u_v, u_p) float32 uniform tensors per item, replacing the
+            kernel's Philox bits (tests).
     """
     B = cfg["block_size"]
     dev = items[0][0].device
@@ -1268,27 +1525,32 @@ def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_o
     if progs is None:
         progs = programs[(dev, B, KERNEL_TILES, numels)] = _program_table(numels, B, nb, dev)
     ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), *(st[k].data_ptr() for k in (
-        "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel())
+        "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel(),
+        st["param_correction"].data_ptr() if "param_correction" in st else 0)
         for p, st, i in items)
     if u is not None:
-        ptrs = tuple(r + (x.data_ptr(), y.data_ptr()) for r, (x, y) in zip(ptrs, u))
+        ptrs = tuple(r + tuple(x.data_ptr() for x in us) for r, us in zip(ptrs, u))
     key = (B, nb, KERNEL_TILES, ptrs)              # the rows' first programs depend on all
     tab = launches.get(key)
     if tab is None:
         if len(launches) > 64:                     # parameters or states were reallocated
             launches.clear()
         tab = launches[key] = _launch_table(ptrs, progs[1], B, dev)
-    # reading an element pair as one word needs p 8-byte and grad 8- (FP32) or 4-byte (BF16)
+    # reading an element pair as one word needs p and grad 8- (FP32) or 4-byte (BF16, FP16)
     # aligned: true for whole tensors, maybe not for views into a flat buffer; otherwise the
     # launch reads element by element
-    g_align = 4 if items[0][0].grad.dtype == torch.bfloat16 else 8
-    aligned = all(r[0] % 8 == 0 and r[1] % g_align == 0 for r in ptrs)
+    p0 = items[0][0]
+    p_align, g_align = 2 * p0.element_size(), 2 * p0.grad.element_size()
+    aligned = all(r[0] % p_align == 0 and r[1] % g_align == 0 for r in ptrs)
+    bf16 = p0.dtype == torch.bfloat16
+    p_corr = bf16 and "param_correction" in items[0][1]
     v_coord, v_rule = cfg["v_rounding"].split("-")
     bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
     decay, step_size = 1 - lr * wd, lr / bc1
     extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
     if KERNEL_MAXNREG and extra:
-        extra["maxnreg"] = KERNEL_MAXNREG["sr" in (m_rounding, v_rule) or bool(cfg["eden"])]
+        extra["maxnreg"] = KERNEL_MAXNREG["sr" in (m_rounding, v_rule) or bool(cfg["eden"])
+                                          or cfg.get("param_rounding") == "sr"]
     m_lut, v_lut = tabs[f"m_lut_{m_rounding}"], tabs["v_lut"]
     _adamw4bit_kernel[(progs[0].numel(),)](
         progs[0], tab,
@@ -1296,6 +1558,7 @@ def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_o
         (m_lut.numel() - 1) / 2, (v_lut.numel() - 1) / 2, tabs["m_adjacent"], tabs["v_adjacent"],
         seed_of_step, decay, step_size, b1, 1 - b1, b2, 1 - b2, 1 / math.sqrt(bc2), eps,
         M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
-        EDEN=bool(cfg["eden"]), GRAD_BF16=items[0][0].grad.dtype == torch.bfloat16,
-        HAS_U=u is not None, ALIGNED=aligned, BLOCK_SIZE=B, NB=nb, TILES=KERNEL_TILES,
+        EDEN=bool(cfg["eden"]), HAS_U=u is not None,
+        P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
+        P_SR=bf16 and not p_corr and cfg.get("param_rounding", "rtn") == "sr", P_CORR=p_corr, ALIGNED=aligned, BLOCK_SIZE=B, NB=nb, TILES=KERNEL_TILES,
         num_warps=1, **extra)

@@ -47,6 +47,19 @@ def median_ms(fn, warmup=25, rep=100, graph=False):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def host_ms(fn, rep=50):
+    """Median CPU time (ms) of one fn() call started with the GPU idle: the host cost of launching
+    it, which a step shorter than that cannot hide."""
+    times = []
+    for _ in range(rep):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[rep // 2]
+
+
 def copy_bandwidth(nbytes=4 << 30):
     """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
     x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
@@ -122,9 +135,9 @@ def gpt2_shapes():
     return shapes + [(d,)]
 
 
-def _make(shapes, grad_dtype=torch.float32, seed=0):
+def _make(shapes, grad_dtype=torch.float32, seed=0, param_dtype=torch.float32):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    ps = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g) * 0.02) for s in shapes]
+    ps = [torch.nn.Parameter((torch.randn(s, device="cuda", generator=g) * 0.02).to(param_dtype)) for s in shapes]
     for p in ps:
         p.grad_dtype = None
         p.grad = (torch.randn(p.shape, device="cuda", generator=g) * 1e-3).to(grad_dtype)
@@ -156,23 +169,46 @@ def _optimizers():
     return opts
 
 
+def _bf16_param_optimizers():
+    """name -> constructor(params) for BF16 parameters (no FP32 master copy): torch's fused AdamW
+    (BF16 states), ours with each write of the new weight, FlashOptim's FlashAdamW when importable
+    (int8 moments; master_weight_bits=24: its 8-bit weight correction, None: without)."""
+    hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opts = {
+        "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True, **hp),
+        "ours zipsr (RTN write)": lambda ps: A.AdamW4bit(ps, preset="zipsr", **hp),
+        "ours zipsr, param_rounding=sr": lambda ps: A.AdamW4bit(ps, preset="zipsr", param_rounding="sr", **hp),
+        "ours zipsr, master_weight_bits=24": lambda ps: A.AdamW4bit(ps, preset="zipsr", master_weight_bits=24, **hp),
+    }
+    try:
+        from flashoptim import FlashAdamW
+        opts["FlashOptim FlashAdamW (24-bit master)"] = lambda ps: FlashAdamW(ps, **hp)
+        opts["FlashOptim FlashAdamW, master_weight_bits=None"] = lambda ps: FlashAdamW(ps, master_weight_bits=None, **hp)
+    except Exception as e:  # optional
+        print(f"(FlashOptim not importable: {type(e).__name__}: {str(e)[:120]}; rows skipped)")
+    return opts
+
+
 def bench_optim(quick=False):
     """Optimizer step time on GPT-2-124M shapes and on one flat 1B tensor (paper B storage)."""
     import train as trainer
     bw = copy_bandwidth()
     rows = []
-    cases = [("gpt2-124m (75 tensors)", gpt2_shapes(), torch.float32),
-             ("gpt2-124m, bf16 grads", gpt2_shapes(), torch.bfloat16),
-             ("flat 1B", [(1 << 30,)], torch.float32)]
-    for case, shapes, gdt in cases:
+    f32, bf16 = torch.float32, torch.bfloat16
+    cases = [("gpt2-124m (75 tensors)", gpt2_shapes(), f32, f32),
+             ("gpt2-124m, bf16 grads", gpt2_shapes(), bf16, f32),
+             ("gpt2-124m, bf16 params", gpt2_shapes(), bf16, bf16),
+             ("flat 1B", [(1 << 30,)], f32, f32),
+             ("flat 1B, bf16 params", [(1 << 30,)], bf16, bf16)]
+    for case, shapes, gdt, pdt in cases:
         n = sum(math.prod(s) for s in shapes)
         base = None
-        for name, make in _optimizers().items():
+        for name, make in (_bf16_param_optimizers() if pdt == bf16 else _optimizers()).items():
             if "reference" in name and (quick or n > 2e8):
                 continue
-            if gdt == torch.bfloat16 and not name.startswith("ours z"):
+            if gdt == torch.bfloat16 and pdt == f32 and not name.startswith("ours z"):
                 continue
-            ps = _make(shapes, gdt)
+            ps = _make(shapes, gdt, param_dtype=pdt)
             try:
                 opt = make(ps)
                 opt.step()
@@ -180,30 +216,34 @@ def bench_optim(quick=False):
                 ms = median_ms(opt.step, warmup=5 if "reference" in name else 25,
                                rep=20 if "reference" in name else 100)
                 pw = power_during(opt.step) if n > 2e8 else None   # a long case: enough samples
+                host = host_ms(opt.step) if n < 2e8 else None
             except Exception as e:
                 print(f"  {case} {name}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
             state = trainer.optimizer_state_bytes(opt)
             if name == "torch AdamW fused":
                 base = ms
-            # bytes moved: param r+w (8), grad read, state r+w
-            moved = n * (8 + (2 if gdt == torch.bfloat16 else 4)) + 2 * state
+            # bytes moved: param r+w, grad read, state r+w
+            moved = n * (2 * pdt.itemsize + gdt.itemsize) + 2 * state
             rows.append(dict(case=case, optimizer=name, ms=ms, state_bytes_per_param=state / n,
                              vs_fused=(base / ms) if base else None,
-                             floor_ms=moved / bw * 1e3, pct_of_floor=moved / bw * 1e3 / ms * 100, **(pw or {})))
+                             floor_ms=moved / bw * 1e3, pct_of_floor=moved / bw * 1e3 / ms * 100,
+                             host_ms=host, **(pw or {})))
             del opt, ps
             torch.cuda.empty_cache()
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    print(f"{'case':24s} {'optimizer':36s} {'ms':>8s} {'B/param':>8s} {'fused/x':>8s} {'floor ms':>9s} {'%floor':>7s}"
-          f" {'W':>5s} {'SM MHz':>6s} {'cap%':>5s}")
+    print(f"{'case':24s} {'optimizer':46s} {'ms':>8s} {'B/param':>8s} {'fused/x':>8s} {'floor ms':>9s} {'%floor':>7s}"
+          f" {'host ms':>8s} {'W':>5s} {'SM MHz':>6s} {'cap%':>5s}")
     for r in rows:
         vs = f"{r['vs_fused']:.2f}x" if r["vs_fused"] else "-"
         pw = f" {r['power_w']:5.0f} {r['sm_mhz']:6.0f} {r['power_cap_pct']:5.0f}" if "power_w" in r else ""
-        print(f"{r['case']:24s} {r['optimizer']:36s} {r['ms']:8.3f} {r['state_bytes_per_param']:8.4f} "
-              f"{vs:>8s} {r['floor_ms']:9.3f} {r['pct_of_floor']:6.1f}%" + pw)
+        print(f"{r['case']:24s} {r['optimizer']:46s} {r['ms']:8.3f} {r['state_bytes_per_param']:8.4f} "
+              f"{vs:>8s} {r['floor_ms']:9.3f} {r['pct_of_floor']:6.1f}%"
+              f" {r['host_ms'] if r['host_ms'] is not None else float('nan'):8.3f}" + pw)
     print("(W, SM MHz: medians of nvidia-smi samples over 3 s of back-to-back steps after the timing, "
           "the first second dropped; "
-          "cap%: share of samples with the software power cap lowering the clocks)")
+          "cap%: share of samples with the software power cap lowering the clocks; "
+          "host ms: CPU time of one step() call started with the GPU idle, median)")
     return dict(copy_bandwidth_TBps=bw / 1e12, rows=rows)
 
 
@@ -298,9 +338,11 @@ def bench_noise():
 TABLE1 = [("llama-134m", 24), ("llama-1b", 8), ("llama-3b", 2), ("llama-70b-4l", 2)]  # x 2048 tokens
 
 
-def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="save"):
-    """Model (preset, PQT method on [all]), optimizer (train.py's) and one training step closure
-    on random tokens (throughput does not depend on the data)."""
+def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="save", param_dtype="fp32",
+                 master_weight_bits=None):
+    """Model (preset, PQT method on [all]; parameters in param_dtype "fp32"|"bf16"), optimizer
+    (train.py's) and one training step closure on random tokens (throughput does not depend on
+    the data)."""
     import train as trainer
     from model import GPT, preset_config
     torch.manual_seed(0)
@@ -308,8 +350,13 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
         model = GPT(preset_config(preset, block_size=T))
     if method != "bf16":
         g.apply_pqt(model, method=method, parts="all", memory=memory)
+    if param_dtype == "bf16":       # as train.py --param_dtype bf16
+        for name, p in model.named_parameters():
+            if not name.endswith("b_i"):
+                p.data = p.data.bfloat16()
     args = argparse.Namespace(optim=optim, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                              weight_decay=0.1, bits_wd=0.0, seed=0)
+                              weight_decay=0.1, bits_wd=0.0, seed=0, param_rounding="rtn",
+                              master_weight_bits=master_weight_bits)
     opt = trainer.build_optimizer(args, model, device.type)
     fwd = torch.compile(model) if compile else model
     V = model.config.vocab_size
@@ -531,44 +578,54 @@ def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
     import train as trainer
     device = torch.device(device)
     rows = []
-    for method, memory in (("bf16", "save"), ("gaussws", "save"), ("gaussws", "recompute"), ("diffq", "save")):
-        for optim in ("adamw", "zipsr"):
-            model, opt, step = _train_setup(preset, method, optim,
-                                            batch, T, device, compile=False, memory=memory)
-            step(zero=False)                                   # grads stay for the count
-            ps = list(model.parameters())
-            n = sum(p.numel() for p in ps)
-            # BF16 copies of the block linears' weights kept for backward: w_hat for GaussWS/DiffQ
-            # in "save" mode, autocast's cast for BF16 (F.linear saves the transposed view)
-            lins = [m for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
-            n_lin = sum(m.weight.numel() for m in lins)
-            shapes = {s for m in lins for s in (tuple(m.weight.shape), tuple(m.weight.shape)[::-1])}
-            saved = []
+    cases = [(method, memory, optim, "fp32", None) for method, memory in (
+        ("bf16", "save"), ("gaussws", "save"), ("gaussws", "recompute"), ("diffq", "save"))
+        for optim in ("adamw", "zipsr")]
+    cases += [("bf16", "save", "zipsr", "bf16", None), ("bf16", "save", "zipsr", "bf16", 24)]
+    for method, memory, optim, pdt, mwb in cases:
+        model, opt, step = _train_setup(preset, method, optim, batch, T, device, compile=False,
+                                        memory=memory, param_dtype=pdt, master_weight_bits=mwb)
+        step(zero=False)                                   # grads stay for the count
+        ps = list(model.parameters())
+        n = sum(p.numel() for p in ps)
+        # BF16 copies of the block linears' weights kept for backward: w_hat for GaussWS/DiffQ
+        # in "save" mode, autocast's cast for BF16 (F.linear saves the transposed view)
+        lins = [m for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
+        n_lin = sum(m.weight.numel() for m in lins)
+        shapes = {s for m in lins for s in (tuple(m.weight.shape), tuple(m.weight.shape)[::-1])}
+        saved = []
+        param_storage = {p.untyped_storage().data_ptr() for p in ps}
 
-            def pack(t):
-                if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes:
-                    saved.append(t.numel() * t.element_size())
-                return t
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=True):
-                    model(torch.zeros(1, 8, dtype=torch.long, device=device),
-                          torch.zeros(1, 8, dtype=torch.long, device=device))
-            measured = dict(weights=sum(p.numel() * p.element_size() for p in ps),
-                            grads=sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None),
-                            optimizer=trainer.optimizer_state_bytes(opt), bf16_weights_saved=sum(saved))
-            elig = sum(p.numel() for p in ps if p.numel() >= A.MIN_QUANT_NUMEL and p.numel() % 128 == 0)
-            state = 8 * n if optim == "adamw" else 1.0625 * elig + 8 * (n - elig)
-            arith = dict(weights=4 * n, grads=4 * n, optimizer=state,
-                         bf16_weights_saved=0 if method != "bf16" and memory == "recompute" else 2 * n_lin)
-            rows.append(dict(method=method, memory=memory, optim=optim, params=n,
-                             measured_B_per_param={k: v / n for k, v in measured.items()},
-                             arithmetic_B_per_param={k: v / n for k, v in arith.items()},
-                             total_measured=sum(measured.values()) / n, total_arithmetic=sum(arith.values()) / n))
-            r = rows[-1]
-            print(f"{method:8s} {memory:9s} {optim:6s} measured {r['total_measured']:6.3f} B/param "
-                  f"(arithmetic {r['total_arithmetic']:6.3f}): " +
-                  " ".join(f"{k} {v:.3f}" for k, v in r["measured_B_per_param"].items()), flush=True)
-            del model, opt, step
+        def pack(t):
+            # (with BF16 parameters F.linear saves the weight itself: not a copy)
+            if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes and \
+                    t.untyped_storage().data_ptr() not in param_storage:
+                saved.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=True):
+                model(torch.zeros(1, 8, dtype=torch.long, device=device),
+                      torch.zeros(1, 8, dtype=torch.long, device=device))
+        measured = dict(weights=sum(p.numel() * p.element_size() for p in ps),
+                        grads=sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None),
+                        optimizer=trainer.optimizer_state_bytes(opt), bf16_weights_saved=sum(saved))
+        elig = sum(p.numel() for p in ps if p.numel() >= A.MIN_QUANT_NUMEL and p.numel() % 128 == 0)
+        state = 8 * n if optim == "adamw" else 1.0625 * elig + 8 * (n - elig) + (n if mwb else 0)
+        w = 2 if pdt == "bf16" else 4
+        # with BF16 parameters autocast saves the weights themselves: no extra copy
+        arith = dict(weights=w * n, grads=w * n, optimizer=state,
+                     bf16_weights_saved=0 if (method != "bf16" and memory == "recompute") or pdt == "bf16"
+                     else 2 * n_lin)
+        rows.append(dict(method=method, memory=memory, optim=optim, param_dtype=pdt,
+                         master_weight_bits=mwb, params=n,
+                         measured_B_per_param={k: v / n for k, v in measured.items()},
+                         arithmetic_B_per_param={k: v / n for k, v in arith.items()},
+                         total_measured=sum(measured.values()) / n, total_arithmetic=sum(arith.values()) / n))
+        r = rows[-1]
+        print(f"{method:8s} {memory:9s} {optim:6s} {pdt}{'+mw24' if mwb else '':5s} measured {r['total_measured']:6.3f} B/param "
+              f"(arithmetic {r['total_arithmetic']:6.3f}): " +
+              " ".join(f"{k} {v:.3f}" for k, v in r["measured_B_per_param"].items()), flush=True)
+        del model, opt, step
     return dict(preset=preset, rows=rows)
 
 

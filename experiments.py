@@ -47,6 +47,12 @@ QUALITY = {
                   ("bf16", "zipsr", ("--v_codebook", "dyn4", "--v_rounding", "state-rtn"), "Dyn4 State-RTN"),
                   ("bf16", "zipsr", ("--v_codebook", "dyn4", "--v_rounding", "state-sr"), "Dyn4 State-SR")],
     "combined": [("bf16", "adamw"), ("gaussws", "zipsr")],                         # A + B together
+    # BF16 parameters (no FP32 master copy) with ZIP-SR: how the new weight is written
+    "bf16params": [("bf16", "zipsr", (), "FP32 params (master)"),
+                   ("bf16", "zipsr", ("--param_dtype", "bf16"), "BF16 params, RTN write"),
+                   ("bf16", "zipsr", ("--param_dtype", "bf16", "--param_rounding", "sr"), "BF16 params, SR write"),
+                   ("bf16", "zipsr", ("--param_dtype", "bf16", "--master_weight_bits", "24"),
+                    "BF16 params + int8 correction (24-bit master)")],
 }
 
 
@@ -517,7 +523,9 @@ def _plot_one(plt, r, section, path, stem):
                 ax.axvline(x["floor_ms"], ls=":", lw=0.8, color="k")
     elif section == "memory":
         fig, ax = plt.subplots(figsize=(8, 3.5))
-        labels = [f"{x['method']} {x['memory']} {x['optim']}" for x in r["rows"]]
+        labels = [f"{x['method']} {x['memory']} {x['optim']}" + (
+            f" {x['param_dtype']} params" + (" + int8 correction" if x.get("master_weight_bits") else "")
+            if x.get("param_dtype", "fp32") != "fp32" else "") for x in r["rows"]]
         left = [0.0] * len(labels)
         for part in r["rows"][0]["measured_B_per_param"]:
             v = [x["measured_B_per_param"][part] for x in r["rows"]]

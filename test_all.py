@@ -1314,6 +1314,243 @@ def test_fsdp_dcp_checkpoint_loads_on_one_and_two_ranks(fsdp_runs, preset):
             assert torch.equal(a, b), (preset, tuple(a.shape))
 
 
+# ---------------------------------------------------------------------------------------------
+# BF16 / FP16 parameters: the write (RTN, SR, eq. MW's 24-bit master weight), kernel = reference
+
+def test_round_to_bf16_rtn_is_torchs_cast_and_sr_is_unbiased():
+    """RTN equals torch's float32 -> bfloat16 cast bit for bit (ties, overflow, NaN stay NaN). SR
+    rounds to one of the two adjacent BF16 values, and its mean over 4096 draws per element is
+    the FP32 value within 5 standard errors of a two-point law (fails a correct SR with p ~ 6e-7
+    per element; 64 elements)."""
+    gen = torch.Generator().manual_seed(30)
+    w = torch.randn(20000, generator=gen) * 10 ** torch.empty(20000).uniform_(-30, 30, generator=gen)
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3895e38, 1e-40, 0.0, -0.0])
+    w = torch.cat([w, ties])
+    assert torch.equal(A.round_to_bf16(w).view(torch.int16), w.bfloat16().view(torch.int16))
+    assert A.round_to_bf16(torch.tensor([float("nan")])).isnan().all()
+    x = torch.randn(64, generator=gen).float() * 3
+    bits = x.view(torch.int32)
+    down = (bits & -65536).view(torch.float32)                 # the BF16 neighbour toward zero
+    up = ((bits & -65536) + 65536).view(torch.float32)         # and away from zero
+    r = A.round_to_bf16(x.expand(4096, 64), "sr", torch.rand(4096, 64, generator=gen)).float()
+    assert ((r == down) | (r == up)).all()
+    p = (x - down) / (up - down)                                # P(up) of an unbiased SR
+    se = (up - down).abs() * (p * (1 - p) / 4096).sqrt()
+    assert ((r.mean(0) - x).abs() <= 5 * se + 1e-9 * x.abs()).all()
+    assert (r.std(0) > 0).all()
+    with pytest.raises(ValueError, match="uniforms u"):
+        A.round_to_bf16(x, "sr")
+    with pytest.raises(ValueError, match="rule must be"):
+        A.round_to_bf16(x, "stochastic")
+
+
+def test_master_weight_split_join_is_16_significant_bits():
+    """eq. MW: x = RTN_bf16(w), |e| <= 127, and x + e 2^(E-15) is w rounded to 1/256 of x's ulp
+    (error <= 2^(E-16), up to 2^(E-15) where e is clamped), so below x's own error; exact for w
+    with 16 significant bits (unless clamped)."""
+    gen = torch.Generator().manual_seed(31)
+    w = torch.randn(50000, generator=gen) * 10 ** torch.empty(50000).uniform_(-20, 20, generator=gen)
+    x, e = A.split_master(w)
+    assert x.dtype == torch.bfloat16 and e.dtype == torch.int8 and e.shape == w.shape
+    assert torch.equal(x.view(torch.int16), w.bfloat16().view(torch.int16))
+    back = A.join_master(x, e)
+    unit, _ = A._correction_unit(x.float())
+    clamped = e.abs() == 127      # |w - x| in (127.5, 128] units: error up to one unit
+    assert ((back - w).abs() <= torch.where(clamped, unit, unit / 2) * (1 + 1e-6)).all()
+    assert clamped.float().mean() < 0.02       # ~3/256: |e| = 127 itself, and the clamped 128
+    assert (back - w).abs().max() < (x.float() - w).abs().max()
+    w16 = (w.view(torch.int32) & -256).view(torch.float32)    # 16 significant bits
+    x16, e16 = A.split_master(w16)
+    # exact unless clamped, or x rounded up to the next power of two (its unit is then twice w's)
+    exact = (e16.abs() < 127) & (torch.frexp(x16.float())[1] == torch.frexp(w16)[1])
+    assert exact.float().mean() > 0.97
+    assert torch.equal(A.join_master(x16, e16)[exact], w16[exact])
+
+
+def _bf16_twins(dtype=torch.bfloat16, **kw):
+    # a tensor over 2 programs with a partial last one, one of a single partial program, one FP32-state
+    torch.manual_seed(32)
+    ref = [torch.nn.Parameter(torch.randn(*s).to(dtype)) for s in [(4096 + 384,), (40, 128), (100,)]]
+    ker = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    return (ref, A.AdamW4bit(ref, lr=1e-2, impl="torch", **kw),
+            ker, A.AdamW4bit(ker, lr=1e-2, impl="triton", **kw))
+
+
+@pytest.mark.parametrize("dtype,kw", [
+    (torch.bfloat16, dict(preset="zeeden")), (torch.float16, dict(preset="zipsr", v_rounding="update-rtn")),
+    (torch.bfloat16, dict(preset="torchao", master_weight_bits=24))],
+    ids=["bf16-zeeden", "fp16-update-rtn", "bf16-master24"])
+def test_kernel_16bit_params_bit_identical_to_reference(dtype, kw):
+    """BF16/FP16 parameters (and gradients of their dtype) through the fused kernel give the
+    reference's weights, packed states and param_correction bit for bit over 2 steps."""
+    ref, o_ref, ker, o_ker = _bf16_twins(dtype, **kw)
+    g = torch.Generator().manual_seed(33)
+    for _ in range(2):
+        _set_grads(ref, ker, g, dtype)
+        o_ref.step()
+        o_ker.step()
+    _assert_twins_equal(ref, o_ref, ker, o_ker)
+    assert all(p.dtype == dtype for p in ker)
+    if kw.get("master_weight_bits"):
+        st = o_ker.state[ker[0]]
+        assert st["param_correction"].dtype == torch.int8 and st["param_correction"].abs().max() > 0
+
+
+def test_kernel_bf16_sr_write_equals_reference_given_the_same_bits():
+    """param_rounding='sr': given the same uniforms (u_m, u_v, u_p) the kernel writes the
+    reference's BF16 weights and states bit for bit; with its own Philox bits, two steps from one
+    state differ from RTN in some weights but every weight is one of the two BF16 neighbours."""
+    ref, o_ref, ker, o_ker = _bf16_twins(preset="zipsr", param_rounding="sr")
+    g = torch.Generator().manual_seed(34)
+    _set_grads(ref, ker, g, torch.bfloat16)
+    with torch.no_grad():
+        items, us = [], []
+        for a, b in zip(ref, ker):
+            if not o_ref.is_quantized(a):
+                continue
+            for o, p in ((o_ref, a), (o_ker, b)):
+                o._init_state(p)["step"] = 1.0
+            u = tuple(torch.rand(a.numel(), generator=g) for _ in range(3))
+            A.adamw4bit_step_torch(a, a.grad, o_ref.state[a], 1e-2, 0.9, 0.95, 1e-8, 0.1, 1, o_ref.qcfg, "rtn", 0, u=u)
+            items.append((b, o_ker.state[b], 0))
+            us.append(u)
+        A.adamw4bit_step_triton(items, 1e-2, 0.9, 0.95, 1e-8, 0.1, 1, o_ker.qcfg, "rtn", 0,
+                                o_ker._kernel_tabs, o_ker._kernel_cache, u=us)
+    _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=True)
+    # Philox bits: SR differs from RTN, and stays within one BF16 ulp of it
+    p = torch.nn.Parameter(torch.randn(8192, generator=g).bfloat16())
+    q = torch.nn.Parameter(p.detach().clone())
+    o_sr = A.AdamW4bit([p], lr=1e-3, impl="triton", preset="torchao", param_rounding="sr")
+    o_rtn = A.AdamW4bit([q], lr=1e-3, impl="triton", preset="torchao")
+    p.grad = torch.randn(8192, generator=g).bfloat16()
+    q.grad = p.grad.clone()
+    o_sr.step()
+    o_rtn.step()
+    d = (p.view(torch.int16).int() - q.view(torch.int16).int()).abs()
+    assert d.max() == 1 and 0.05 < (d > 0).float().mean() < 0.95
+
+
+def test_bf16_master_weights_track_fp32_far_better_than_rtn():
+    """Updates of ~lr = 1e-3 on weights ~4 (half a BF16 ulp: 0.0156) over 200 steps, against the
+    FP32-parameter run (reference step): BF16 RTN loses every update (relative RMS error of the
+    weight change ~1), SR is unbiased (mean error within 5 standard errors of its ~0.06-per-weight
+    noise, 4096 weights) but noisy (< 0.5), and the 24-bit master weight (resolution 1.2e-4)
+    tracks it within 0.06."""
+    gen = torch.Generator().manual_seed(35)
+    w0 = torch.randn(4096, generator=gen) + 4
+    grads = [torch.randn(4096, generator=gen) * 0.1 + 1 for _ in range(200)]
+    out = {}
+    for name, dtype, kw in (("fp32", torch.float32, {}), ("rtn", torch.bfloat16, {}),
+                            ("sr", torch.bfloat16, dict(param_rounding="sr")),
+                            ("mw24", torch.bfloat16, dict(master_weight_bits=24))):
+        p = torch.nn.Parameter(w0.clone().to(dtype))
+        o = A.AdamW4bit([p], lr=1e-3, weight_decay=0.0, preset="torchao", impl="torch", **kw)
+        for gr in grads:
+            p.grad = gr.to(dtype)
+            o.step()
+        out[name] = A.read_param(p, o.state[p].get("param_correction")) - w0.to(dtype).float()
+    err = {k: ((out[k] - out["fp32"]).norm() / out["fp32"].norm()).item() for k in ("rtn", "sr", "mw24")}
+    assert err["rtn"] > 0.9 and err["sr"] < 0.5 and err["mw24"] < 0.06, err
+    assert abs((out["sr"] - out["fp32"]).mean()) < 5 * 0.06 / 4096 ** 0.5
+
+
+def test_bf16_options_state_dict_nbytes_and_errors():
+    """master_weight_bits=24 adds 1 B/param (state_nbytes: 2.0625 on a 4-bit-state BF16 tensor),
+    the correction survives state_dict round trips, and a checkpoint of another param_rounding /
+    master_weight_bits is refused; bad values name the argument; FP16 with SR is a TypeError."""
+    p = torch.nn.Parameter(torch.randn(8192).bfloat16())
+    o = A.AdamW4bit([p], preset="zipsr", master_weight_bits=24, impl="torch")
+    p.grad = torch.randn(8192).bfloat16()
+    o.step()
+    assert o.state_nbytes() == 8192 * (1 + 1.0625)
+    q = torch.nn.Parameter(p.detach().clone())
+    o2 = A.AdamW4bit([q], preset="zipsr", master_weight_bits=24, impl="torch")
+    o2.load_state_dict(o.state_dict())
+    assert torch.equal(o2.state[q]["param_correction"], o.state[p]["param_correction"])
+    with pytest.raises(ValueError, match="master_weight_bits"):
+        A.AdamW4bit([q], preset="zipsr", impl="torch").load_state_dict(o.state_dict())
+    with pytest.raises(ValueError, match="param_rounding must be one of"):
+        A.AdamW4bit([q], param_rounding="stochastic")
+    with pytest.raises(ValueError, match="master_weight_bits must be one of"):
+        A.AdamW4bit([q], master_weight_bits=16)
+    with pytest.raises(ValueError, match="param_rounding='rtn'"):
+        A.AdamW4bit([q], param_rounding="sr", master_weight_bits=24)
+    with pytest.raises(TypeError, match="float16"):
+        A.AdamW4bit([torch.nn.Parameter(torch.zeros(8, dtype=torch.float16))], param_rounding="sr")
+    # FP32-state (small) BF16 tensors get the correction too, on the reference loop
+    b = torch.nn.Parameter(torch.randn(100).bfloat16() + 4)
+    ob = A.AdamW4bit([b], lr=1e-3, preset="zipsr", master_weight_bits=24, weight_decay=0.0)
+    b0 = b.detach().float().clone()
+    for _ in range(20):
+        b.grad = torch.ones(100).bfloat16()
+        ob.step()
+    moved = A.read_param(b, ob.state[b]["param_correction"]) - b0
+    assert torch.allclose(moved, torch.full((100,), -20e-3), rtol=0.1)   # RTN alone: 0 (< ulp/2)
+
+
+
+@needs_compiled
+@needs_cuda
+def test_gpu_16bit_params_bit_identical_to_reference():
+    """On CUDA the fused step with BF16 / FP16 parameters (RTN presets, the 24-bit master weight)
+    gives the CPU reference's weights, states and param_correction bit for bit over 4 steps (the
+    FP32-state tensors, torch's fused AdamW on an FP32 copy: within one ulp, the master weight
+    within two of its units); param_rounding='sr' keeps every weight within one BF16 ulp of the
+    RTN write."""
+    gen = torch.Generator().manual_seed(40)
+    shapes = [(4096,), (33, 384), (1000, 128 * 3), (77, 1024), (100,)]
+    for dtype, kw in ((torch.bfloat16, dict(preset="torchao")), (torch.bfloat16, dict(preset="zeeden")),
+                      (torch.float16, dict(preset="zipsr", v_rounding="update-rtn")),
+                      (torch.bfloat16, dict(preset="zeeden", master_weight_bits=24))):
+        cpu = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+        gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+        o_c = A.AdamW4bit(cpu, impl="torch", lr=1e-2, **kw)
+        o_g = A.AdamW4bit(gpu, impl="triton", lr=1e-2, **kw)
+        for _ in range(4):
+            for a, b in zip(cpu, gpu):
+                gr = (torch.randn(a.shape, generator=gen) * 1e-2).to(dtype)
+                a.grad, b.grad = gr.clone(), gr.cuda()
+            o_c.step()
+            o_g.step()
+        for a, b in zip(cpu, gpu):
+            if not o_c.is_quantized(a):
+                continue
+            assert torch.equal(a, b.cpu()), (dtype, kw, tuple(a.shape))
+            for k in o_c.state[a].keys() - {"step"}:
+                assert torch.equal(o_c.state[a][k], o_g.state[b][k].cpu()), (dtype, kw, tuple(a.shape), k)
+        for a, b in zip(cpu, gpu):   # FP32-state tensors: torch's fused AdamW on an FP32 copy
+            if not o_c.is_quantized(a):
+                ulp = 2.0 ** (torch.frexp(a.float())[1] - (8 if dtype == torch.bfloat16 else 11))
+                assert ((a.float() - b.cpu().float()).abs() <= ulp).all(), (dtype, kw)
+                if "param_correction" in o_c.state[a]:
+                    wa = A.read_param(a, o_c.state[a]["param_correction"])
+                    wb = A.read_param(b, o_g.state[b]["param_correction"]).cpu()
+                    assert ((wa - wb).abs() <= ulp / 128).all(), (dtype, kw)
+    # FP32-state tensors of any shape (2-D here) through torch's fused AdamW, per dtype group
+    for dtype in (torch.float32, torch.bfloat16):
+        cpu = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in ((33, 3), (100,), (64, 64))]
+        gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+        o_c, o_g = (A.AdamW4bit(ps, lr=1e-2, preset="fp32") for ps in (cpu, gpu))
+        for _ in range(3):
+            for a, b in zip(cpu, gpu):
+                gr = torch.randn(a.shape, generator=gen).to(dtype)
+                a.grad, b.grad = gr.clone(), gr.cuda()
+            o_c.step()
+            o_g.step()
+        for a, b in zip(cpu, gpu):
+            ulp = 2.0 ** (torch.frexp(a.float())[1] - (8 if dtype == torch.bfloat16 else 16))   # FP32: 1e-5 rel.
+            assert ((a.float() - b.cpu().float()).abs() <= ulp).all(), dtype
+    p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda").bfloat16())
+    q = torch.nn.Parameter(p.detach().clone())
+    o_sr = A.AdamW4bit([p], lr=1e-3, preset="torchao", param_rounding="sr")
+    o_rtn = A.AdamW4bit([q], lr=1e-3, preset="torchao")
+    p.grad = torch.randn(1 << 20, device="cuda").bfloat16()
+    q.grad = p.grad.clone()
+    o_sr.step()
+    o_rtn.step()
+    d = (p.view(torch.int16).int() - q.view(torch.int16).int()).abs()
+    assert d.max() == 1 and 0.05 < (d > 0).float().mean() < 0.95
+
 # =============================================================================================
 # gaussws.py (paper A)
 
@@ -3980,17 +4217,41 @@ def test_fsdp_bad_flags_one_line_error(flags, env, words, capsys, monkeypatch):
         assert w in err
 
 
+def test_train_bf16_params_with_master_weight_bits_resumes(corpus, tmp_path):
+    """--param_dtype bf16 --master_weight_bits 24: the checkpoint holds BF16 weights and an int8
+    param_correction per weight, a stopped-and-resumed run ends where the uninterrupted one does;
+    the BF16-write flags without BF16 parameters, or together, are one-line errors."""
+    for flags in (["--param_rounding", "sr"], ["--optim", "adamw", "--param_dtype", "bf16", "--master_weight_bits", "24"],
+                  ["--optim", "zipsr", "--param_dtype", "bf16", "--param_rounding", "sr", "--master_weight_bits", "24"]):
+        with pytest.raises(SystemExit):
+            train.main(base_args(corpus, tmp_path / "x", *flags))
+    args = base_args(corpus, tmp_path / "a", "--optim", "zipsr", "--param_dtype", "bf16", "--master_weight_bits", "24",
+                     "--max_iters", "4", "--eval_interval", "2")
+    train.main(args)
+    args_b = [a if a != str(tmp_path / "a") else str(tmp_path / "b") for a in args]
+    train.main(args_b + ["--stop_after", "2"])
+    train.main(args_b + ["--resume"])
+    ca = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
+    cb = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)
+    assert {t.dtype for t in ca["model"].values() if t.is_floating_point()} == {torch.bfloat16}
+    corr = [st["param_correction"] for st in ca["optimizer"]["state"].values()]
+    assert corr and all(c.dtype == torch.int8 for c in corr) and any(c.abs().max() > 0 for c in corr)
+    assert _tensors_equal(ca["model"], cb["model"]) and _tensors_equal(ca["optimizer"], cb["optimizer"])
+
 # =============================================================================================
 # bench.py: the sections that also run on CPU (no timing is asserted)
 
 def test_bench_memory_matches_the_arithmetic():
     import bench
     res = bench.bench_memory(preset="nano", T=64, batch=2, device="cpu")
-    assert len(res["rows"]) == 8
+    assert len(res["rows"]) == 10
     for r in res["rows"]:
         assert r["measured_B_per_param"] == pytest.approx(r["arithmetic_B_per_param"], rel=1e-12), r
-        assert r["measured_B_per_param"]["weights"] == 4.0 and r["measured_B_per_param"]["grads"] == 4.0
-    by = {(r["method"], r["memory"], r["optim"]): r for r in res["rows"]}
+        w = 2.0 if r["param_dtype"] == "bf16" else 4.0
+        assert r["measured_B_per_param"]["weights"] == w and r["measured_B_per_param"]["grads"] == w
+    bf = [r["measured_B_per_param"]["optimizer"] for r in res["rows"] if r["param_dtype"] == "bf16"]
+    assert bf[1] == pytest.approx(bf[0] + 1.0, rel=1e-12)     # master_weight_bits=24: +1 B/param
+    by = {(r["method"], r["memory"], r["optim"]): r for r in res["rows"] if r["param_dtype"] == "fp32"}
     assert by[("bf16", "save", "adamw")]["measured_B_per_param"]["optimizer"] == 8.0
     assert by[("gaussws", "recompute", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] == 0.0
     assert by[("gaussws", "save", "zipsr")]["measured_B_per_param"]["bf16_weights_saved"] > 0.0

@@ -73,6 +73,8 @@ DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "mi
 # schedule; every other setting must match.
 RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "compile_mode", "eval_interval", "eval_windows", "device",
                "data_dir", "plot", "overwrite", "max_iters", "tokens_per_param", "threads"}
+# flags added after checkpoints were written: their value when the checkpoint has none
+RESUME_DEFAULTS = dict(param_dtype="fp32", param_rounding="rtn", master_weight_bits=None)
 
 
 TORCH_THREADS = torch.get_num_threads()  # PyTorch's own choice at import: OMP_NUM_THREADS or the physical cores
@@ -134,6 +136,12 @@ def build_parser():
                         "--v_rounding state-rtn: the zero-point failure of paper B Figure 1)")
     g.add_argument("--v_rounding", default=None, choices=adam4bit.V_ROUNDINGS,
                    help="4-bit presets only: second-moment rounding rule instead of the preset's (paper B App. A.2)")
+    g.add_argument("--param_dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="dtype the model parameters are stored in (bf16: no FP32 master copy; b_i stay FP32)")
+    g.add_argument("--param_rounding", default="rtn", choices=adam4bit.PARAM_ROUNDINGS,
+                   help="4-bit AdamW presets, --param_dtype bf16: how the new BF16 weight is written (sr: stochastic)")
+    g.add_argument("--master_weight_bits", type=int, default=None, choices=(24,),
+                   help="4-bit AdamW presets, --param_dtype bf16: 24 keeps an int8 correction per weight (+1 B/param)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate; default per preset (paper B Table 7)")
     g.add_argument("--schedule", default="wsd", choices=SCHEDULES, help="WSD: warmup, constant, 1-sqrt(u) cooldown")
     g.add_argument("--warmup_frac", type=float, default=0.1, help="share of steps in linear warmup")
@@ -310,6 +318,14 @@ def check_optimizer_flags(parser, args):
     not an AdamW4bit preset, or form a combination AdamW4bit refuses (e.g. an update-space rule on
     a signed codebook, or a 4-bit v with the fp32 preset's FP32 m): the optimizer is built on a
     dummy parameter here, before any data or model."""
+    bf16_write = [f for f, on in (("--param_rounding sr", args.param_rounding == "sr"),
+                                  ("--master_weight_bits 24", args.master_weight_bits)) if on]
+    if bf16_write and (args.param_dtype != "bf16" or args.optim not in FOURBIT):
+        parser.error(f"{' '.join(bf16_write)}: only with --param_dtype bf16 and a 4-bit AdamW preset "
+                     f"(--optim {'|'.join(FOURBIT)}), got --param_dtype {args.param_dtype} --optim {args.optim}")
+    if len(bf16_write) == 2:
+        parser.error("--param_rounding sr with --master_weight_bits 24: the correction keeps the residual of "
+                     "a round-to-nearest write; give one of them")
     over = optimizer_overrides(args)
     if not over:
         return
@@ -432,6 +448,10 @@ def setup_model(args, proc, batches):
     if args.method != "bf16":
         replaced = gaussws.apply_pqt(model, method=args.method, parts=args.parts, b_init=args.b_init,
                                      b_target=args.b_target, seed=args.seed, memory=args.pqt_memory)
+    if args.param_dtype == "bf16":   # the weights themselves in BF16; PQT bitwidths b_i stay FP32
+        for name, p in model.named_parameters():
+            if not name.endswith("b_i"):
+                p.data = p.data.to(torch.bfloat16)
     if args.tokens_per_param is not None:
         args.max_iters = max(1, math.ceil(args.tokens_per_param * model.num_params() / tokens_per_step(args)))
         if args.stop_after is not None and args.stop_after > args.max_iters:
@@ -495,7 +515,7 @@ def end_iter(args):
 
 def say_setup(args, proc, batches, model, replaced):
     meta, n_params = batches.meta, model.num_params()
-    say(f"device {proc.device} x{proc.world}, dtype {args.dtype}, compile {args.compile}")
+    say(f"device {proc.device} x{proc.world}, dtype {args.dtype}, params {args.param_dtype}, compile {args.compile}")
     say(f"data {batches.folder}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"
         + (f" (capped at {meta['max_tokens']:,})" if meta.get("max_tokens") else "")
         + f", tokenizer {meta['tokenizer']} ({meta['source']})")
@@ -565,7 +585,9 @@ def build_optimizer(args, model, device_type):
         return torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=args.eps, fused=device_type == "cuda")
     if args.optim in FOURBIT:
         opt = adam4bit.AdamW4bit(groups, lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay,
-                                 preset=args.optim, seed=args.seed, **optimizer_overrides(args))
+                                 preset=args.optim, seed=args.seed, param_rounding=getattr(args, "param_rounding", "rtn"),
+                                 master_weight_bits=getattr(args, "master_weight_bits", None),
+                                 **optimizer_overrides(args))
         opt.mark_lm_head(model.lm_head.weight)
         return opt
     if args.optim == "adam-mini":
@@ -592,6 +614,7 @@ def run_config(args):
 def check_resume_config(saved, current, path):
     """RunError listing the flags whose values differ between the checkpoint and this run."""
     keys = sorted((set(saved) | set(current)) - RESUME_FREE)
+    saved = {**RESUME_DEFAULTS, **saved}
     diff = [f"--{k} {saved.get(k)!r} (checkpoint) vs {current.get(k)!r} (now)"
             for k in keys if saved.get(k) != current.get(k)]
     if diff:
