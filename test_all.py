@@ -3,8 +3,9 @@ All tests, one section per file in module order (codebooks, philox, adam4bit, ga
 data / train, bench, experiments, finetune_hf); within a section the papers' facts first, then kernel =
 reference, then API and errors. They run on CPU, the Triton kernels under TRITON_INTERPRET=1:
 
-    TRITON_INTERPRET=1 python3 -m pytest -q test_all.py
+    TRITON_INTERPRET=1 python3 -m pytest -q -n auto --dist loadgroup test_all.py
 
+(-n: pytest-xdist's worker processes; the tests that share the FSDP2 runs form one group.)
 The GPU-only tests (test_gpu_*) skip there and say why; on a GPU machine run them with
 TRITON_INTERPRET=0 python3 -m pytest -q test_all.py -k gpu
 
@@ -24,6 +25,10 @@ import subprocess
 import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+    # pytest -n: one Inductor cache per worker process, so no two processes write one entry
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                                                         os.environ["PYTEST_XDIST_WORKER"])
 
 import numpy as np
 import pytest
@@ -1274,6 +1279,7 @@ def _plain_quadratic(preset, steps, shapes=_FSDP_SHAPES):
     return model, opt
 
 
+@pytest.mark.xdist_group("fsdp_runs")   # one worker computes the module fixture once
 @pytest.mark.parametrize("preset", _FSDP_PRESETS)
 def test_fsdp_two_ranks_equal_one_rank_bit_for_bit(fsdp_runs, preset):
     """fully_shard on 2 ranks gives the unsharded reference's parameters bit for bit after 1
@@ -1301,6 +1307,7 @@ def test_fsdp_two_ranks_equal_one_rank_bit_for_bit(fsdp_runs, preset):
         assert local[4]["exp_avg"] == ((17, 16)[rank],)
 
 
+@pytest.mark.xdist_group("fsdp_runs")   # one worker computes the module fixture once
 @pytest.mark.parametrize("preset", _FSDP_PRESETS)
 def test_fsdp_dcp_checkpoint_loads_on_one_and_two_ranks(fsdp_runs, preset):
     """A DCP checkpoint written on 2 ranks (get_optimizer_state_dict, dcp.save) loads with
@@ -3009,6 +3016,7 @@ def _fsdp_gaussws():
     return res
 
 
+@pytest.mark.xdist_group("fsdp_runs")   # one worker computes the module fixture once
 def test_gaussws_inside_fully_shard_equals_unsharded(fsdp_runs):
     """GaussWSLinear in fully_shard units on 2 ranks: weight and b_i are sharded, the noise
     counters (buffers) are replicated and advance alike, and FSDP2's all-gather before forward
