@@ -4378,3 +4378,28 @@ def test_finetune_hf_example_writes_a_plain_model_that_loads_without_this_repo(t
         with pytest.raises(SystemExit):
             finetune_hf.parse_args(["--text", str(text) if argv else "/no/such.txt", *argv])
         assert msg in capsys.readouterr().err
+
+
+def test_finetune_hf_rejects_bad_inputs_in_one_line_before_training(tmp_path, capsys):
+    import finetune_hf
+    text = tmp_path / "corpus.txt"
+    text.write_text("some text\n" * 50, encoding="utf-8")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "afile").write_text("x")
+    for argv, msg in ((["--parts", "foo"], "--parts 'foo': unknown part(s) ['foo']"),
+                      (["--b_init", "3", "--b_target", "4"], "--b_target 4.0 > b_init=3.0"),
+                      (["--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
+                      (["--text", str(tmp_path / "bin.txt")], "is not UTF-8 text"),
+                      (["--text", str(tmp_path / "empty.txt")], "is empty"),
+                      (["--text", str(tmp_path)], "is a folder"),
+                      (["--out", str(tmp_path / "afile")], "is a file"),
+                      (["--model", "not a/model id!"], "neither a local folder nor a Hugging Face model id")):
+        with pytest.raises(SystemExit):
+            finetune_hf.parse_args(["--text", str(text), *argv])
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, (argv, err)
+    assert finetune_hf.parse_args(["--text", str(text), "--cast", "none", "--parts", "q_proj,o_proj"]).cast is None
+    with pytest.raises(SystemExit):
+        finetune_hf.parse_args(["--help"])
+    assert "tokenizer when --model is given" in " ".join(capsys.readouterr().out.split())
