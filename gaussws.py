@@ -1056,7 +1056,9 @@ class GaussWSLinear(nn.Linear):
     around this layer's forward and backward, so the layer samples from the whole weight and
     b_t; noise_state, a buffer, is not sharded: every rank holds it and advances it alike. R,
     w_hat and the gradients are the unsharded layer's bit for bit (test_all.py checks it on 2
-    ranks); no code here depends on the sharding.
+    ranks); no code here depends on the sharding. FSDP2 wants one dtype for all parameters of a
+    group, and b_i is float32: shard BF16 training as FP32 parameters with
+    MixedPrecisionPolicy(param_dtype=torch.bfloat16), not as a BF16 model.
     """
 
     def __init__(self, in_features, out_features, bias=True, method="gaussws", b_init=6.0,
@@ -1366,24 +1368,26 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
         if missing:
             other = [c[0] for c in cands if not _part_of(c[0])]
             raise ValueError(f"apply_pqt(parts={parts!r}): no nn.Linear named {', '.join(missing)} "
-                             f"inside the model; the parts it has: {', '.join(have) or 'none'}{already}"
+                             f"inside the model; its layers have: {', '.join(have) or 'none'}{already}"
                              + (f"; its other linears: {_few(other)}" if other else "") + subs
-                             + ("" if have else "; select layers by name with modules="))
+                             + ("" if have else "; select other layers by name with modules="))
         # lm_head=True adds the LM head, which has no part name, to the parts
         found = [c for c in cands if _part_of(c[0]) in wanted or (lm_head and id(c[3]) in heads)]
     else:
         keep, globs = _module_filter(modules)
         found = [c for c in cands if keep(c[0], c[3])]
-        skipped = [n for n, _, _, m in _linears(model) if id(m) in heads and not lm_head and keep(n, m)]
-        head_note = f" but the LM head {_few(skipped)} (lm_head=True samples it)" if skipped else ""
+
+        def head_note():      # only for an error: the filter is asked about the head only then
+            skipped = [n for n, _, _, m in _linears(model) if id(m) in heads and not lm_head and keep(n, m)]
+            return f" but the LM head {_few(skipped)} (lm_head=True samples it)" if skipped else ""
         if not found:
             raise ValueError(f"apply_pqt(modules={modules!r}) selects no nn.Linear (only nn.Linear and "
-                             "Conv1D layers are sampled, never embeddings or norms)" + head_note
+                             "Conv1D layers are sampled, never embeddings or norms)" + head_note()
                              + f"; the model's linears: {_few([c[0] for c in cands])}{already}{subs}")
         unmatched = [p for p in globs or () if not any(fnmatch.fnmatchcase(c[0], p) for c in cands)]
         if unmatched:
             raise ValueError(f"apply_pqt(modules={modules!r}): {', '.join(map(repr, unmatched))} "
-                             f"matches no linear{head_note}; the model's linears: "
+                             f"matches no linear{head_note()}; the model's linears: "
                              f"{_few([c[0] for c in cands])}{already}{subs}")
         # a module selected at one of its places is replaced at all of them (one layer, shared)
         chosen = {id(c[3]) for c in found}
