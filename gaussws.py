@@ -1369,7 +1369,7 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
             other = [c[0] for c in cands if not _part_of(c[0])]
             raise ValueError(f"apply_pqt(parts={parts!r}): no nn.Linear named {', '.join(missing)} "
                              f"inside the model; its layers have: {', '.join(have) or 'none'}{already}"
-                             + (f"; its other linears: {_few(other)}" if other else "") + subs
+                             + (f"; linears without a part name: {_few(other)}" if other else "") + subs
                              + ("" if have else "; select other layers by name with modules="))
         # lm_head=True adds the LM head, which has no part name, to the parts
         found = [c for c in cands if _part_of(c[0]) in wanted or (lm_head and id(c[3]) in heads)]

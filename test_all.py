@@ -2011,7 +2011,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.apply_pqt(_gpt2_like(), parts="qkv,attn")
     with pytest.raises(ValueError, match="no nn.Linear named"):
         g.apply_pqt(_gpt2_like(), parts="gate")
-    with pytest.raises(ValueError, match="its layers have: none; its other linears: 0; select other layers by name with modules="):
+    with pytest.raises(ValueError, match="its layers have: none; linears without a part name: 0; select other layers by name with modules="):
         g.apply_pqt(nn.Sequential(nn.Linear(3, 3)))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -2738,7 +2738,7 @@ def test_modules_filter_errors_name_the_module_the_value_and_the_glob():
     assert _untouched(m)
     # what is there when nothing is found: linears without part names, nn.Linear subclasses
     seq = nn.Sequential(nn.Linear(8, 8), _MyLinear(8, 8))
-    with pytest.raises(ValueError, match=r"its layers have: none; its other linears: 0; not replaced, "
+    with pytest.raises(ValueError, match=r"its layers have: none; linears without a part name: 0; not replaced, "
                                          r"being nn.Linear subclasses.*: 1 \(_MyLinear\)"):
         g.apply_pqt(seq, parts="all")
     with pytest.raises(ValueError, match=r"the model's linears: none; not replaced.*1 \(_MyLinear\)"):
