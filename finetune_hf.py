@@ -32,9 +32,11 @@ def parse_args(argv=None):
     p.add_argument("--text", required=True, help="a UTF-8 text file to fine-tune on (the last 5 %% is validation)")
     p.add_argument("--model", default=None,
                    help="Hugging Face model name or local path; default: a tiny Llama built from a config, byte tokens")
-    p.add_argument("--out", default=None, help="folder for the plain model (save_pretrained) and its tokenizer")
+    p.add_argument("--out", default=None,
+                   help="folder for the plain model (save_pretrained), with --model's tokenizer when --model is given")
     p.add_argument("--method", default="gaussws", choices=gaussws.METHODS)
-    p.add_argument("--parts", default="all", help="'all', 'od' or a list such as 'q,k,v,out' (gaussws.apply_pqt)")
+    p.add_argument("--parts", default="all",
+                   help="'all', 'od' or a list such as 'q,k,v,out' or 'q_proj,o_proj' (gaussws.apply_pqt)")
     p.add_argument("--b_init", type=float, default=6.0)
     p.add_argument("--b_target", type=float, default=4.0)
     p.add_argument("--bits_wd", type=float, default=0.1, help="weight decay on b_i")
@@ -44,17 +46,41 @@ def parse_args(argv=None):
     p.add_argument("--max_steps", type=int, default=100)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--block_size", type=int, default=128, help="tokens per training window")
-    p.add_argument("--cast", default="tiers", help="'none', 'tiers' or an FP format such as e3m4 (remove_pqt)")
+    p.add_argument("--cast", default="tiers",
+                   help="'none' (remove_pqt's cast=None: weights as trained), 'tiers' or an FP format such as e3m4")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    # every input is checked here, before a model is loaded or trained: one line, no traceback
+    if os.path.isdir(args.text):
+        p.error(f"--text {args.text!r} is a folder: give one UTF-8 text file")
     if not os.path.isfile(args.text):
         p.error(f"--text {args.text!r}: no such file")
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            if not f.read(1):
+                p.error(f"--text {args.text!r} is empty")
+            f.read()
+    except UnicodeDecodeError as e:
+        p.error(f"--text {args.text!r} is not UTF-8 text ({e.reason} at byte {e.start})")
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out!r} is a file: give a folder (new or existing)")
+    if args.model is not None and not os.path.isdir(args.model) and not re.fullmatch(
+            r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", args.model):
+        p.error(f"--model {args.model!r}: neither a local folder nor a Hugging Face model id (name or owner/name)")
     for name in ("max_steps", "batch_size", "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name} {getattr(args, name)}: must be >= 1")
-    args.cast = None if args.cast == "none" else args.cast
-    if args.cast not in (None, "tiers") and not re.fullmatch(r"e[1-8]m\d+", args.cast):
-        p.error(f"--cast {args.cast!r}: allowed: none, tiers or an FP format eXmY such as e3m4")
+    for name in ("lr", "weight_decay", "bits_wd"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and (v > 0 if name == "lr" else v >= 0)):
+            p.error(f"--{name} {v}: must be a finite number {'> 0' if name == 'lr' else '>= 0'}")
+    try:                 # the checks apply_pqt and remove_pqt make, before the model is loaded
+        gaussws._parse_parts(args.parts)
+        gaussws._check_bits(args.b_init, args.b_target)
+        args.cast = None if args.cast == "none" else args.cast
+        gaussws._format_of(args.cast)
+    except ValueError as e:
+        p.error(f"--{str(e).replace('=', ' ', 1)}")
     return args
 
 
@@ -62,8 +88,11 @@ def load_model(args, tf):
     """(model, tokenizer or None): the --model checkpoint, or a tiny Llama from a config (random
     weights, 256 byte tokens) when --model is not given."""
     if args.model is not None:
-        tok = tf.AutoTokenizer.from_pretrained(args.model)
-        return tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), tok
+        try:
+            tok = tf.AutoTokenizer.from_pretrained(args.model)
+            return tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32), tok
+        except OSError as e:        # not on the hub, offline, no such folder content: one line
+            raise SystemExit(f"--model {args.model!r}: {str(e).strip().splitlines()[0]}") from None
     cfg = tf.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.block_size)
     return tf.LlamaForCausalLM(cfg), None

@@ -85,6 +85,7 @@ import math
 import os
 import random
 import re
+import warnings
 
 import torch
 import torch.nn as nn
@@ -1038,7 +1039,12 @@ class GaussWSLinear(nn.Linear):
     Raises ValueError / TypeError (float64 or other dtypes, seed type) at construction.
 
     Parameters: weight (out, in) and bias as nn.Linear, `b_i` (ceil(out/32), ceil(in/32)) init 1
-    (put weight decay on it to pull b_t to b_target). Buffer `noise_state` int64 [key, call
+    (put weight decay on it to pull b_t to b_target), float32 whatever the weight dtype: b_i
+    starts at 1.0, where BF16's spacing is 2^-7 (FP16's 2^-10), so the ~1e-3 optimizer steps of a
+    BF16 b_i round away and b_t never learns; b_t is computed in float32. A later cast of the
+    model (`model.to(torch.bfloat16)`) also casts b_i: the first training forward then warns,
+    naming the layer (`layer.b_i.data = layer.b_i.data.float()` or cast the model before
+    apply_pqt fixes it). Buffer `noise_state` int64 [key, call
     counter] (checkpointed by state_dict). The counter advances by one at every training-mode
     forward (not at the re-run of a forward by activation checkpointing, which reuses the last
     seed: a layer called twice in one checkpointed region, or checkpointed again before the
@@ -1050,7 +1056,9 @@ class GaussWSLinear(nn.Linear):
     around this layer's forward and backward, so the layer samples from the whole weight and
     b_t; noise_state, a buffer, is not sharded: every rank holds it and advances it alike. R,
     w_hat and the gradients are the unsharded layer's bit for bit (test_all.py checks it on 2
-    ranks); no code here depends on the sharding.
+    ranks); no code here depends on the sharding. FSDP2 wants one dtype for all parameters of a
+    group, and b_i is float32: shard BF16 training as FP32 parameters with
+    MixedPrecisionPolicy(param_dtype=torch.bfloat16), not as a BF16 model.
     """
 
     def __init__(self, in_features, out_features, bias=True, method="gaussws", b_init=6.0,
@@ -1069,12 +1077,13 @@ class GaussWSLinear(nn.Linear):
         self.b_init, self.b_target = float(b_init), float(b_target)
         self.sample_in_eval = False
         self.b_i = nn.Parameter(torch.ones(tile_grid(out_features, in_features), device=device,
-                                           dtype=torch.float32 if dtype is None else dtype))
+                                           dtype=torch.float32))   # float32 always: see above
         self._key = _splitmix64(seed) & (2 ** 63 - 1)
         self.register_buffer("noise_state", torch.tensor([self._key, 0], dtype=torch.int64, device=device))
         self._name = f"({in_features} -> {out_features})"   # apply_pqt sets the module name
         self._calls = 0            # eager training calls, to tag their seeds (_check_recomputed_call)
         self._last_call = self._replayed = None
+        self._warned_b_i = False
 
     def reset_parameters(self):
         """Initialise as at construction: weight and bias as nn.Linear does, b_i = 1 and
@@ -1133,9 +1142,18 @@ class GaussWSLinear(nn.Linear):
         self._calls += 1
         return seed
 
+    def _check_b_i_dtype(self):
+        if self.b_i.dtype != torch.float32 and not self._warned_b_i:
+            self._warned_b_i = True
+            warnings.warn(f"GaussWSLinear {self._name}: b_i is {self.b_i.dtype} (the model was cast "
+                          "after apply_pqt); optimizer steps of ~1e-3 round away near 1.0 in it, so "
+                          "b_t will not learn: keep b_i float32 (cast the model before apply_pqt, or "
+                          "set layer.b_i.data = layer.b_i.data.float())", stacklevel=3)
+
     def forward(self, x):
         if not (self.training or self.sample_in_eval):
             return F.linear(x, self.weight, self.bias)
+        self._check_b_i_dtype()
         return pqt_linear(x, self.weight, self.b_t, self.bias, self._next_seed(), method=self.method,
                           memory=self.memory, impl=self.impl, fused=self.fused)
 
@@ -1174,6 +1192,7 @@ class GaussWSConv1D(GaussWSLinear):
         w = self.weight.t()       # the (out, in) view; pqt_linear copies it to a contiguous w
         if not (self.training or self.sample_in_eval):
             return F.linear(x, w, self.bias)
+        self._check_b_i_dtype()
         return pqt_linear(x, w, self.b_t, self.bias, self._next_seed(), method=self.method,
                           memory=self.memory, impl=self.impl, fused=self.fused)
 
@@ -1197,19 +1216,22 @@ HF_PARTS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "out", "gate_
 
 
 def _parse_parts(parts):
-    """-> list of part names; "all" -> ALL_PARTS (every part this model kind has), "od" -> out, down."""
+    """-> list of part names; "all" -> ALL_PARTS (every part this model kind has), "od" -> out, down;
+    a Hugging Face name (HF_PARTS) stands for its part."""
     if not isinstance(parts, str):
         raise TypeError(f"parts must be a string, got {type(parts).__name__}")
     if parts == "all":
         return list(ALL_PARTS)
     if parts == "od":
         return ["out", "down"]
-    names = list(dict.fromkeys(p.strip() for p in parts.split(",") if p.strip()))
-    bad = [p for p in names if p not in ALL_PARTS]
-    if not names or bad:
+    given = [p.strip() for p in parts.split(",") if p.strip()]
+    bad = [p for p in given if p not in ALL_PARTS and p not in HF_PARTS]
+    if not given or bad:
+        aliases = ", ".join(f"{k}={v}" for k, v in HF_PARTS.items())
         raise ValueError(f"parts={parts!r}: unknown part(s) {bad or [parts]}; allowed: 'all', 'od' "
-                         f"or a comma list of {', '.join(ALL_PARTS)}")
-    return names
+                         f"or a comma list of {', '.join(ALL_PARTS)} or their Hugging Face names "
+                         f"({aliases})")
+    return list(dict.fromkeys(HF_PARTS.get(p, p) for p in given))
 
 
 def _part_of(name):
@@ -1238,13 +1260,18 @@ def _linears(model):
             if type(child) is nn.Linear or _is_conv1d(child)]
 
 
+# last names of a module that apply_pqt takes for an LM head: nanoGPT / Hugging Face, minGPT-style
+# `head`, Meta's Llama `output`, GPT-NeoX `embed_out`
+HEAD_NAMES = ("lm_head", "head", "output", "embed_out")
+
+
 def _lm_head_ids(model):
     """ids of the modules apply_pqt treats as the LM head: a linear whose weight is an nn.Embedding's
     weight (tied, e.g. Hugging Face tie_word_embeddings), the module of Hugging Face's
-    get_output_embeddings(), and any module named lm_head."""
+    get_output_embeddings(), and any linear whose last name is in HEAD_NAMES."""
     emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     ids = {id(child) for name, _, _, child in _linears(model)
-           if id(child.weight) in emb or name.rsplit(".", 1)[-1] == "lm_head"}
+           if id(child.weight) in emb or name.rsplit(".", 1)[-1] in HEAD_NAMES}
     out = getattr(model, "get_output_embeddings", None)
     head = out() if callable(out) else None
     if isinstance(head, nn.Module):
@@ -1253,15 +1280,26 @@ def _lm_head_ids(model):
 
 
 def _module_filter(modules):
-    """modules (a glob, a list of globs, or a callable (name, module) -> bool) -> the callable."""
+    """modules (a glob, a list of globs, or a callable (name, module) -> bool) -> (the callable,
+    the globs or None). The callable's errors name the module it was asked about."""
     if callable(modules):
-        return modules
+        def keep(name, module):
+            try:
+                r = modules(name, module)
+            except Exception as err:
+                raise ValueError(f"apply_pqt: modules={modules!r} raised {type(err).__name__} on "
+                                 f"module {name!r}: {err}") from err
+            if not isinstance(r, bool):
+                raise TypeError(f"apply_pqt: modules={modules!r} returned {r!r} "
+                                f"({type(r).__name__}) for module {name!r}; it must return True or False")
+            return r
+        return keep, None
     globs = [modules] if isinstance(modules, str) else modules
     if not (isinstance(globs, (list, tuple)) and globs and all(isinstance(p, str) and p for p in globs)):
         raise TypeError(f"modules={modules!r}: allowed: a glob on module names (e.g. "
                         "'model.layers.*.mlp.*'), a non-empty list of globs, or a callable "
                         "(name, module) -> bool")
-    return lambda name, _: any(fnmatch.fnmatchcase(name, p) for p in globs)
+    return (lambda name, _: any(fnmatch.fnmatchcase(name, p) for p in globs)), list(globs)
 
 
 def _few(names, k=8):
@@ -1278,22 +1316,30 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
         qkv,out,up,down (GPT-2) / q,k,v,out,gate,up,down (Llama). A layer's part is its own name
         (this repository's GPT) or its Hugging Face name (HF_PARTS): q_proj, k_proj, v_proj,
         o_proj, gate_proj, up_proj, down_proj (Llama-style) and c_attn, attn.c_proj, c_fc,
-        mlp.c_proj (GPT-2). Every part named in a list (and both of "od") must exist.
+        mlp.c_proj (GPT-2); the list may use these names too (parts="q_proj,o_proj"). Every part
+        named in a list (and both of "od") must exist.
       modules: for any other model, a glob on the full module name (fnmatch: * also matches
-        dots; e.g. "model.layers.*.mlp.*"), a list of globs, or a callable (name, module) ->
-        bool; it is asked about every nn.Linear (and Conv1D) of the model.
+        dots; e.g. "model.layers.*.mlp.*"), a list of globs (each must match a linear), or a
+        callable (name, module) -> bool (True or False, else TypeError; an exception it raises
+        comes back as a ValueError naming the module); it is asked about every nn.Linear (and
+        Conv1D) of the model.
     Only nn.Linear (exactly, not subclasses) and Hugging Face's GPT-2 Conv1D are replaced, the
     latter by GaussWSConv1D (Conv1D's (in, out) weight, sampled with the equivalent nn.Linear's
     tiles). Embeddings and norms are never sampled; the LM head (a linear whose weight is an
-    embedding's, i.e. tied; Hugging Face's get_output_embeddings(); a module named lm_head) only
-    with lm_head=True. A module at two places of the model becomes one layer at both.
-    b_init, b_target, seed, memory, impl, fused as in GaussWSLinear; layer seeds come from
-    random.Random(seed) in module order (§3.6 seed generator). Returns the names of the replaced
+    embedding's, i.e. tied; Hugging Face's get_output_embeddings(); a linear whose last name is
+    one of HEAD_NAMES: lm_head, head, output, embed_out) only with lm_head=True (a bool), which
+    adds it to `parts` or lets `modules` select it. A module at two places of the model, selected
+    at either, becomes one layer at both. b_i is float32 whatever the weight dtype (see
+    GaussWSLinear). b_init, b_target, seed, memory, impl, fused as in GaussWSLinear; layer seeds
+    come from random.Random(seed) in module order (§3.6 seed generator), continuing after the
+    GaussWSLinear layers the model already has, so a second call gives its layers other keys than
+    the first's. Returns the names of the replaced
     modules ("blocks.0.attn.qkv", "model.layers.0.self_attn.q_proj", ...), in module order.
     Everything is checked before the model is touched. Raises TypeError (model not an nn.Module,
-    seed or modules type, float64 layers) or ValueError (bad arguments; both parts and modules; a
+    seed, modules or lm_head type, a callable's non-bool answer, float64 layers) or ValueError (bad arguments; both parts and modules; a
     named part the model has no linear for: the message lists the parts present; a filter that
-    selects no layer: the message lists the model's linears)."""
+    selects no layer, or a glob of a list that matches none: the message lists the model's linears
+    and the nn.Linear subclasses it leaves alone)."""
     _check_module(model, "apply_pqt")
     _check_choice("method", method, METHODS)
     _check_choice("memory", memory, MEMORY_MODES)
@@ -1302,32 +1348,57 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     _check_seed(seed)
     if parts is not None and modules is not None:
         raise ValueError(f"apply_pqt: give parts={parts!r} or modules={modules!r}, not both")
-    heads = set() if lm_head else _lm_head_ids(model)
-    cands = [c for c in _linears(model) if id(c[3]) not in heads]
+    if not isinstance(lm_head, bool):
+        raise TypeError(f"apply_pqt: lm_head={lm_head!r} must be True or False")
+    heads = _lm_head_ids(model)
+    cands = [c for c in _linears(model) if lm_head or id(c[3]) not in heads]
     done = [n for n, _ in pqt_layers(model)]
     already = f" (already GaussWSLinear: {_few(done)})" if done else ""
+    # nn.Linear subclasses are not replaced (their forward may not be nn.Linear's): say so when
+    # they are all a filter could have found
+    subs = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not isinstance(m, GaussWSLinear)]
+    subs = (f"; not replaced, being nn.Linear subclasses whose forward may differ: {_few(subs)}"
+            if subs else "")
     if modules is None:
         parts = "all" if parts is None else parts
         wanted = _parse_parts(parts)
         have = list(dict.fromkeys(p for p in map(_part_of, (c[0] for c in cands)) if p))
         missing = [p for p in wanted if p not in have] if parts != "all" else ([] if have else wanted)
         if missing:
+            other = [c[0] for c in cands if not _part_of(c[0])]
             raise ValueError(f"apply_pqt(parts={parts!r}): no nn.Linear named {', '.join(missing)} "
                              f"inside the model; its layers have: {', '.join(have) or 'none'}{already}"
+                             + (f"; linears without a part name: {_few(other)}" if other else "") + subs
                              + ("" if have else "; select other layers by name with modules="))
-        found = [c for c in cands if _part_of(c[0]) in wanted]
+        # lm_head=True adds the LM head, which has no part name, to the parts
+        found = [c for c in cands if _part_of(c[0]) in wanted or (lm_head and id(c[3]) in heads)]
     else:
-        keep = _module_filter(modules)
+        keep, globs = _module_filter(modules)
         found = [c for c in cands if keep(c[0], c[3])]
+
+        def head_note():      # only for an error: the filter is asked about the head only then
+            skipped = [n for n, _, _, m in _linears(model) if id(m) in heads and not lm_head and keep(n, m)]
+            return f" but the LM head {_few(skipped)} (lm_head=True samples it)" if skipped else ""
         if not found:
-            skipped = [n for n, _, _, m in _linears(model) if id(m) in heads and keep(n, m)]
             raise ValueError(f"apply_pqt(modules={modules!r}) selects no nn.Linear (only nn.Linear and "
-                             "Conv1D layers are sampled, never embeddings or norms)"
-                             + (f" but the LM head {_few(skipped)} (lm_head=True samples it)" if skipped else "")
-                             + f"; the model's linears: {_few([c[0] for c in cands])}{already}")
+                             "Conv1D layers are sampled, never embeddings or norms)" + head_note()
+                             + f"; the model's linears: {_few([c[0] for c in cands])}{already}{subs}")
+        unmatched = [p for p in globs or () if not any(fnmatch.fnmatchcase(c[0], p) for c in cands)]
+        if unmatched:
+            raise ValueError(f"apply_pqt(modules={modules!r}): {', '.join(map(repr, unmatched))} "
+                             f"matches no linear{head_note()}; the model's linears: "
+                             f"{_few([c[0] for c in cands])}{already}{subs}")
+        # a module selected at one of its places is replaced at all of them (one layer, shared)
+        chosen = {id(c[3]) for c in found}
+        found = [c for c in cands if id(c[3]) in chosen]
     for name, _, _, child in found:
         _check_dtype(child.weight.dtype, f"{name}.weight")
     rng = random.Random(seed)
+    # keys continue after the GaussWS layers already in the model (an earlier apply_pqt): a second
+    # call must not give its layers the keys of the first call's
+    for _ in {id(m) for _, m in pqt_layers(model)}:
+        rng.getrandbits(62)
     new, replaced = {}, []
     for name, parent, cname, child in found:
         if id(child) not in new:

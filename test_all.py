@@ -2255,7 +2255,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.apply_pqt(_gpt2_like(), parts="qkv,attn")
     with pytest.raises(ValueError, match="no nn.Linear named"):
         g.apply_pqt(_gpt2_like(), parts="gate")
-    with pytest.raises(ValueError, match="its layers have: none; select other layers by name with modules="):
+    with pytest.raises(ValueError, match="its layers have: none; linears without a part name: 0; select other layers by name with modules="):
         g.apply_pqt(nn.Sequential(nn.Linear(3, 3)))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
@@ -2887,6 +2887,106 @@ def test_hf_trainer_with_adamw4bit_an_lr_schedule_and_resume(tmp_path):
     opt3 = getattr(tr3.optimizer, "optimizer", tr3.optimizer)
     assert type(opt3) is A.AdamW4bit and [gr["weight_decay"] for gr in opt3.param_groups] == [0.1, 0.0]
     assert opt3.state[m3.model.layers[0].mlp.up_proj.weight]["exp_avg"].dtype == torch.uint8
+
+
+# any model, what a first-time user meets: bf16 models learn b_t, a second apply_pqt, Hugging Face
+# names in parts, shared modules, heads, the modules filter's errors
+
+def test_b_i_is_float32_with_bf16_weights_so_small_steps_move_b_t_and_a_later_cast_warns():
+    import warnings
+    assert g.GaussWSLinear(40, 40, dtype=torch.bfloat16).b_i.dtype == torch.float32
+    torch.manual_seed(33)
+    m = nn.Sequential(nn.Linear(40, 40)).to(torch.bfloat16)
+    g.apply_pqt(m, modules="*", impl="torch")
+    layer = m[0]
+    assert layer.weight.dtype == torch.bfloat16 and layer.b_i.dtype == layer.b_t.dtype == torch.float32
+    x = torch.randn(4, 40, dtype=torch.bfloat16)
+    opt = torch.optim.Adam([layer.b_i], lr=1e-3)    # a step of ~1e-3: below BF16's spacing at 1.0
+    m(x).float().pow(2).sum().backward()
+    assert (layer.b_i.grad != 0).all()
+    opt.step()
+    assert (layer.b_i != 1).all()
+    m.to(torch.bfloat16)                           # a cast after apply_pqt: b_i BF16 again
+    with pytest.warns(UserWarning, match=r"GaussWSLinear 0: b_i is torch.bfloat16.*keep b_i float32"):
+        m(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")             # once per layer
+        m(x)
+        m.eval()(x)
+
+
+def test_a_second_apply_pqt_gives_its_layers_keys_of_their_own():
+    import random
+    once = _Model(llama=True)
+    g.apply_pqt(once, parts="od")
+    rng = random.Random(0)                         # a first call's keys are as they always were
+    assert [l.noise_state[0].item() for _, l in g.pqt_layers(once)] == [
+        g._splitmix64(rng.getrandbits(62)) & (2 ** 63 - 1) for _ in range(4)]
+    twice = _Model(llama=True)
+    g.apply_pqt(twice, parts="od")
+    g.apply_pqt(twice, parts="q,k")
+    keys = {n: l.noise_state[0].item() for n, l in g.pqt_layers(twice)}
+    assert len(keys) == 8 and len(set(keys.values())) == 8
+    assert all(keys[n] == l.noise_state[0].item() for n, l in g.pqt_layers(once))
+
+
+def test_parts_take_hugging_face_names_and_the_error_shows_them():
+    def hf():
+        return nn.ModuleDict({"attn": nn.ModuleDict({k: nn.Linear(32, 32) for k in ("q_proj", "k_proj", "o_proj")}),
+                              "mlp": nn.ModuleDict({"c_fc": Conv1D(64, 32), "c_proj": Conv1D(32, 64)})})
+    assert g.apply_pqt(hf(), parts="q_proj,o_proj") == g.apply_pqt(hf(), parts="q,out") == ["attn.q_proj", "attn.o_proj"]
+    assert g.apply_pqt(hf(), parts="c_fc,mlp.c_proj") == ["mlp.c_fc", "mlp.c_proj"]
+    assert g.apply_pqt(_gpt2_like(), parts="c_attn") == ["blocks.0.attn.qkv", "blocks.1.attn.qkv"]
+    m = hf()
+    with pytest.raises(ValueError, match=r"unknown part\(s\) \['c_proj'\].*o_proj=out.*attn.c_proj=out, mlp.c_proj=down"):
+        g.apply_pqt(m, parts="q_proj,c_proj")
+    assert _untouched(m)
+
+
+def test_a_shared_module_selected_at_its_second_name_stays_one_layer_at_both():
+    s = nn.Module()
+    s.l1 = nn.Linear(32, 32)
+    s.l2 = s.l1
+    assert len(g.apply_pqt(s, modules="l2")) == 1
+    assert type(s.l2) is g.GaussWSLinear and s.l1 is s.l2
+
+
+def test_common_head_names_are_left_alone_and_lm_head_true_adds_the_head_to_parts():
+    m = nn.ModuleDict({"up": nn.Linear(32, 64), "head": nn.Linear(64, 50), "output": nn.Linear(64, 50),
+                       "embed_out": nn.Linear(64, 50)})
+    assert g.apply_pqt(m, parts="all") == ["up"]
+    assert all(type(m[k]) is nn.Linear for k in ("head", "output", "embed_out"))
+    m = _gpt2_like()
+    names = g.apply_pqt(m, parts="all", lm_head=True)
+    assert "lm_head" in names and len(names) == 9 and type(m.lm_head) is g.GaussWSLinear
+    m = _gpt2_like()
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match=f"lm_head={bad!r} must be True or False"):
+            g.apply_pqt(m, lm_head=bad)
+    assert _untouched(m)
+
+
+class _MyLinear(nn.Linear):
+    pass
+
+
+def test_modules_filter_errors_name_the_module_the_value_and_the_glob():
+    m = _gpt2_like()
+    with pytest.raises(TypeError, match=r"returned None \(NoneType\) for module 'blocks.0.attn.qkv'"):
+        g.apply_pqt(m, modules=lambda n, mod: None)
+    with pytest.raises(ValueError, match=r"raised KeyError on module 'blocks.0.attn.qkv'") as e:
+        g.apply_pqt(m, modules=lambda n, mod: {}[n])
+    assert isinstance(e.value.__cause__, KeyError)
+    with pytest.raises(ValueError, match=r"'nope\.\*' matches no linear; the model's linears: blocks.0.attn.qkv"):
+        g.apply_pqt(m, modules=["blocks.0.*", "nope.*"])
+    assert _untouched(m)
+    # what is there when nothing is found: linears without part names, nn.Linear subclasses
+    seq = nn.Sequential(nn.Linear(8, 8), _MyLinear(8, 8))
+    with pytest.raises(ValueError, match=r"its layers have: none; linears without a part name: 0; not replaced, "
+                                         r"being nn.Linear subclasses.*: 1 \(_MyLinear\)"):
+        g.apply_pqt(seq, parts="all")
+    with pytest.raises(ValueError, match=r"the model's linears: none; not replaced.*1 \(_MyLinear\)"):
+        g.apply_pqt(nn.Sequential(nn.ReLU(), _MyLinear(8, 8)), modules="*")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -4547,3 +4647,28 @@ def test_finetune_hf_example_writes_a_plain_model_that_loads_without_this_repo(t
         with pytest.raises(SystemExit):
             finetune_hf.parse_args(["--text", str(text) if argv else "/no/such.txt", *argv])
         assert msg in capsys.readouterr().err
+
+
+def test_finetune_hf_rejects_bad_inputs_in_one_line_before_training(tmp_path, capsys):
+    import finetune_hf
+    text = tmp_path / "corpus.txt"
+    text.write_text("some text\n" * 50, encoding="utf-8")
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "afile").write_text("x")
+    for argv, msg in ((["--parts", "foo"], "--parts 'foo': unknown part(s) ['foo']"),
+                      (["--b_init", "3", "--b_target", "4"], "--b_target 4.0 > b_init=3.0"),
+                      (["--lr", "-1"], "--lr -1.0: must be a finite number > 0"),
+                      (["--text", str(tmp_path / "bin.txt")], "is not UTF-8 text"),
+                      (["--text", str(tmp_path / "empty.txt")], "is empty"),
+                      (["--text", str(tmp_path)], "is a folder"),
+                      (["--out", str(tmp_path / "afile")], "is a file"),
+                      (["--model", "not a/model id!"], "neither a local folder nor a Hugging Face model id")):
+        with pytest.raises(SystemExit):
+            finetune_hf.parse_args(["--text", str(text), *argv])
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, (argv, err)
+    assert finetune_hf.parse_args(["--text", str(text), "--cast", "none", "--parts", "q_proj,o_proj"]).cast is None
+    with pytest.raises(SystemExit):
+        finetune_hf.parse_args(["--help"])
+    assert "tokenizer when --model is given" in " ".join(capsys.readouterr().out.split())
