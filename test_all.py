@@ -4311,6 +4311,9 @@ def test_fsdp_checkpoint_folder_fallback_and_refusals(tmp_path):
     (["--fsdp"], {}, ["--fsdp", "torchrun"]),
     (["--fsdp", "--optim", "adam-mini"], {"RANK": "0"}, ["--fsdp", "adam-mini", "zipsr"]),
     (["--fsdp", "--bits_lambda", "0.5"], {"RANK": "0"}, ["--fsdp", "--bits_lambda 0.5", "DDP"]),
+    (["--fsdp", "--param_dtype", "bf16", "--method", "gaussws"], {"RANK": "0"}, ["--param_dtype bf16", "b_i", "DDP"]),
+    (["--fsdp", "--param_dtype", "bf16", "--optim", "zipsr", "--master_weight_bits", "24"], {"RANK": "0"},
+     ["--master_weight_bits 24", "DDP"]),
 ])
 def test_fsdp_bad_flags_one_line_error(flags, env, words, capsys, monkeypatch):
     for k, v in env.items():

@@ -311,6 +311,12 @@ def check_fsdp_flags(parser, args):
     if args.bits_lambda:
         parser.error(f"--fsdp with --bits_lambda {args.bits_lambda:g}: the bitwidth penalty is not supported "
                      f"under FSDP2 (b_i are sharded outside forward); use --bits_lambda 0 or DDP")
+    if args.param_dtype == "bf16" and args.method != "bf16":
+        parser.error(f"--fsdp --param_dtype bf16 with --method {args.method}: FSDP2 needs one dtype per "
+                     "block, and the bitwidths b_i stay FP32; use --param_dtype fp32 or DDP")
+    if args.master_weight_bits:
+        parser.error(f"--fsdp with --master_weight_bits {args.master_weight_bits}: not supported under "
+                     "FSDP2; use --param_rounding sr or DDP")
 
 
 def check_optimizer_flags(parser, args):
