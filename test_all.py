@@ -4207,8 +4207,8 @@ def test_fresh_run_into_a_checkpoint_needs_resume_or_overwrite(corpus, tmp_path,
     before = (out / "ckpt.pt").read_bytes(), (out / "log.jsonl").read_bytes()
     with pytest.raises(train.RunError) as e:
         train.main(args + ["--seed", "1"])
-    assert str(e.value) == (f"--out_dir {out} holds a checkpoint ({out / 'ckpt.pt'}): continue that run with "
-                            f"--resume, or start over with --overwrite (replaces its ckpt.pt and log.jsonl)")
+    assert str(e.value) == (f"--out_dir {out} holds a plain checkpoint ({out / 'ckpt.pt'}): continue that run with "
+                            f"--resume, or start over with --overwrite (removes it and replaces log.jsonl)")
     assert ((out / "ckpt.pt").read_bytes(), (out / "log.jsonl").read_bytes()) == before
     train.main(args + ["--seed", "1", "--overwrite"])
     assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["seed"] == 1
@@ -4326,6 +4326,111 @@ def test_fsdp_bad_flags_one_line_error(flags, env, words, capsys, monkeypatch):
     assert len(err.splitlines()) == 1 and err.startswith("train.py: error:")
     for w in words:
         assert w in err
+
+
+def _as_fsdp_rank(monkeypatch, world=1):
+    """train.main in this process as rank 0 of `world` under torchrun, without a process group."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(train, "setup_distributed", lambda args: train.Process(world > 1, 0, world, "cpu"))
+    monkeypatch.setattr(train.dist, "destroy_process_group", lambda *a, **k: None)
+
+
+def test_fresh_run_refuses_either_checkpoint_kind_and_overwrite_removes_both(corpus, tmp_path, monkeypatch):
+    """Every checkpoint kind in --out_dir (ckpt.pt, the DCP folder ckpt, ckpt.old, ckpt.tmp) stops a
+    fresh run of either kind in one line naming it and how to resume it; --overwrite removes them
+    all, so the folder never holds both kinds."""
+    out = tmp_path / "o"
+    args = base_args(corpus, out, "--max_iters", "2", "--eval_interval", "2")
+    for name in ("ckpt", "ckpt.old", "ckpt.tmp"):
+        os.makedirs(out / name)
+        with pytest.raises(train.RunError) as e:
+            train.main(args)
+        assert str(e.value).startswith(f"--out_dir {out} holds an FSDP2 checkpoint ({out / name}): continue that "
+                                       f"run with torchrun --standalone --nproc_per_node N train.py --fsdp --resume")
+        assert "\n" not in str(e.value) and not (out / "ckpt.pt").exists() and not (out / "log.jsonl").exists()
+        os.rmdir(out / name)
+    for name in ("ckpt", "ckpt.old"):
+        os.makedirs(out / name)
+        (out / name / "train.json").write_text("{}")
+    train.main(args + ["--overwrite"])
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]
+    _as_fsdp_rank(monkeypatch)   # the mirror: an --fsdp run into a folder holding ckpt.pt
+    with pytest.raises(train.RunError) as e:
+        train.main(args + ["--fsdp"])
+    assert str(e.value).startswith(f"--out_dir {out} holds a plain checkpoint ({out / 'ckpt.pt'}): continue that "
+                                   f"run with --resume without --fsdp")
+
+
+def test_resume_names_the_other_checkpoint_kind_and_takes_an_out_dir(corpus, tmp_path, monkeypatch):
+    """--resume finding only the other kind says which kind the folder holds and how to resume it,
+    before any data or model; --resume OUT_DIR (a run's folder) resumes its ckpt.pt."""
+    out = tmp_path / "o"
+    args = base_args(corpus, out, "--eval_interval", "2")
+    train.main(args + ["--max_iters", "2"])
+    s = train.main(args + ["--max_iters", "3", "--resume", str(out)])
+    assert s["start_iter"] == 2 and s["iters"] == 3
+    fsdp_only = tmp_path / "f"
+    os.makedirs(fsdp_only / "ckpt")
+    for resume in (["--resume"], ["--resume", str(fsdp_only)], ["--resume", str(fsdp_only / "ckpt")]):
+        with pytest.raises(train.RunError) as e:
+            train.main(base_args(corpus, fsdp_only, *resume))
+        assert re.fullmatch(f"--resume: {re.escape(str(fsdp_only))}.* an FSDP2 checkpoint.*not a plain one: resume "
+                            f"it with torchrun --standalone --nproc_per_node N train.py --fsdp --resume", str(e.value))
+    _as_fsdp_rank(monkeypatch)
+    for resume in (["--resume"], ["--resume", str(out / "ckpt.pt")]):
+        with pytest.raises(train.RunError) as e:
+            train.main(args + ["--fsdp", *resume])
+        assert re.fullmatch(f"--resume: {re.escape(str(out))}.* a plain checkpoint.*not an FSDP2 \\(--fsdp\\) one: "
+                            f"resume it with --resume without --fsdp .*", str(e.value))
+
+
+def test_corrupt_fsdp_checkpoint_folder_is_a_one_line_error(tmp_path):
+    """A DCP folder with its .metadata or a .distcp file deleted, truncated or garbled is a RunError
+    of one line naming the folder and the file, from load_checkpoint (before any model is built)
+    or, for what the file checks cannot see, from the DCP load in resume."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    folder = str(tmp_path / "ckpt")
+    meta = {"format": train.CKPT_FORMAT, "iter_num": 1, "best_val_loss": 1.0, "config": {}}
+
+    def write():
+        shutil.rmtree(folder, ignore_errors=True)
+        dcp.save(train.dcp_state(model, opt, {"torch": torch.get_rng_state()}), checkpoint_id=folder)
+        open(os.path.join(folder, "train.json"), "w").write(json.dumps(meta))
+        return os.path.join(folder, "__0_0.distcp")
+
+    shard = write()
+    args = argparse.Namespace(fsdp=True, resume=folder, max_iters=None)
+    assert train.resume(args, train.load_checkpoint(folder), model, opt, "cpu") == (1, 1.0)
+    size = os.path.getsize(shard)
+    for damage, words in [(lambda: os.remove(os.path.join(folder, ".metadata")), ".metadata is missing"),
+                          (lambda: open(os.path.join(folder, ".metadata"), "wb").write(b"x"), ".metadata: "),
+                          (lambda: os.remove(shard), "__0_0.distcp is missing"),
+                          (lambda: os.truncate(shard, size - 1), f"__0_0.distcp has {size - 1} bytes")]:
+        shard = write()
+        damage()
+        with pytest.raises(train.RunError) as e:
+            train.load_checkpoint(folder)
+        assert str(e.value).startswith(f"--resume: checkpoint {folder} cannot be read (corrupt or truncated?): ")
+        assert words in str(e.value) and "\n" not in str(e.value)
+    shard = write()   # same size, wrong bytes: only the load itself sees it
+    with open(shard, "r+b") as f:
+        f.write(b"\0" * size)
+    with pytest.raises(train.RunError) as e:
+        train.resume(args, train.load_checkpoint(folder), model, opt, "cpu")
+    assert str(e.value).startswith(f"--resume: checkpoint {folder} cannot be read") and "\n" not in str(e.value)
+
+
+def test_grad_accum_not_divisible_by_the_processes(corpus, tmp_path, monkeypatch):
+    _as_fsdp_rank(monkeypatch, world=2)
+    with pytest.raises(train.RunError, match="^--grad_accum 3 must be divisible by the number of processes \\(2\\)$"):
+        train.main(base_args(corpus, tmp_path / "o", "--grad_accum", "3"))
 
 
 def test_train_bf16_params_with_master_weight_bits_resumes(corpus, tmp_path):

@@ -155,7 +155,7 @@ def build_parser():
     g = p.add_argument_group("batch and length")
     g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch per GPU")
     g.add_argument("--grad_accum", type=int, default=1,
-                   help="micro-batches per step summed over all GPUs (must divide by the GPU count)")
+                   help="micro-batches per step summed over all processes (must divide by their count)")
     g.add_argument("--max_iters", type=int, default=None,
                    help="optimizer steps; auto: 300 on CPU, 5000 on CUDA. With --resume a larger value trains "
                         "longer under the schedule recomputed for it: WSD's cooldown moves to the new end, so "
@@ -191,7 +191,7 @@ def build_parser():
                    help="checkpoint, log.jsonl and loss.png go here; Ctrl-C or SIGTERM saves a checkpoint "
                         "at the next step boundary")
     g.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="continue from OUT_DIR/ckpt.pt, or from the given checkpoint file; --max_iters / "
+                   help="continue from OUT_DIR/ckpt.pt, or from the given checkpoint or out_dir; --max_iters / "
                         "--tokens_per_param / --stop_after may change, every other flag must match")
     g.add_argument("--overwrite", action="store_true",
                    help="start a fresh run in an --out_dir that holds a checkpoint, replacing it and log.jsonl")
@@ -631,10 +631,12 @@ def check_resume_config(saved, current, path):
 def check_out_dir(args, proc):
     """RunError (one line) before any data or model: a fresh run would replace the checkpoint in
     --out_dir (without --overwrite), or --out_dir cannot be created or written (with the reason)."""
-    ckpt = ckpt_path(args)
-    if not args.resume and not args.overwrite and os.path.exists(ckpt):
-        raise RunError(f"--out_dir {args.out_dir} holds a checkpoint ({ckpt}): continue that run with --resume, "
-                       f"or start over with --overwrite (replaces its ckpt.pt and log.jsonl)")
+    found = checkpoints_in(args.out_dir)
+    if not args.resume and not args.overwrite and found:
+        kind, how = ckpt_kind(found[0])
+        how = "--resume" if os.path.isdir(found[0]) == args.fsdp else how
+        raise RunError(f"--out_dir {args.out_dir} holds {kind} ({found[0]}): continue that run with {how}, "
+                       f"or start over with --overwrite (removes it and replaces log.jsonl)")
     if not proc.master:
         return
     try:
@@ -652,13 +654,50 @@ def ckpt_path(args):
     return os.path.join(args.out_dir, "ckpt" if getattr(args, "fsdp", False) else "ckpt.pt")
 
 
+# what a run may leave in --out_dir: ckpt.pt (plain and DDP runs), the DCP folder ckpt (--fsdp) and
+# save_dcp_checkpoint's ckpt.tmp / ckpt.old; a fresh run refuses any of them, --overwrite removes all
+CKPT_NAMES = ("ckpt.pt", "ckpt", "ckpt.old", "ckpt.tmp")
+
+
+def checkpoints_in(out_dir):
+    """The paths of CKPT_NAMES present in out_dir (a list, in that order; [] when none)."""
+    return [p for p in (os.path.join(out_dir, n) for n in CKPT_NAMES) if os.path.exists(p)]
+
+
+def ckpt_kind(path):
+    """(kind, how to resume it) of a checkpoint path: the two kinds are not interchangeable."""
+    if os.path.isdir(path):
+        return "an FSDP2 checkpoint", "torchrun --standalone --nproc_per_node N train.py --fsdp --resume"
+    return "a plain checkpoint", "--resume without --fsdp (python train.py, or torchrun for DDP)"
+
+
 def resume_path(args):
-    if args.resume != "auto":
+    """The checkpoint --resume loads: OUT_DIR's (ckpt.pt, or under --fsdp the DCP folder ckpt), or
+    --resume PATH: a checkpoint, or a run's --out_dir (its checkpoint of this run's kind)."""
+    folder = args.out_dir if args.resume == "auto" else args.resume
+    if args.resume != "auto" and not (os.path.isdir(folder) and checkpoints_in(folder)):
         return args.resume
-    path = ckpt_path(args)
+    path = os.path.join(folder, "ckpt" if getattr(args, "fsdp", False) else "ckpt.pt")
     # a DCP folder is replaced by two renames (save_dcp_checkpoint); a crash between them leaves
     # the previous, complete checkpoint as ckpt.old
     return path + ".old" if not os.path.exists(path) and os.path.isdir(path + ".old") else path
+
+
+def check_resume_kind(args):
+    """RunError (one line) before anything is loaded when --resume would load the other kind of
+    checkpoint than this run writes (a DCP folder without --fsdp, a ckpt.pt with it), or finds
+    none of its kind where one of the other kind lies."""
+    path, this = resume_path(args), "an FSDP2 (--fsdp)" if args.fsdp else "a plain"
+    if os.path.exists(path):
+        if os.path.isdir(path) != args.fsdp:
+            kind, how = ckpt_kind(path)
+            raise RunError(f"--resume: {path} is {kind}, not {this} one: resume it with {how}")
+        return
+    folder = os.path.dirname(path)
+    other = [p for p in checkpoints_in(folder) if os.path.isdir(p) != args.fsdp and not p.endswith(".tmp")]
+    if other:
+        kind, how = ckpt_kind(other[0])
+        raise RunError(f"--resume: {folder} holds {kind} ({other[0]}), not {this} one: resume it with {how}")
 
 
 def resume_is_done(args, ckpt):
@@ -687,7 +726,11 @@ def resume(args, ckpt, model, optimizer, device_type):
             from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
             state = dcp_state(model, optimizer, {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state()
                                                  if device_type == "cuda" else None})
-            dcp.load(state, checkpoint_id=ckpt["dcp"])
+            try:
+                dcp.load(state, checkpoint_id=ckpt["dcp"])
+            except (Exception, dcp.CheckpointException) as e:   # on every rank: DCP gathers the ranks' errors
+                raise RunError(f"--resume: checkpoint {ckpt['dcp']} cannot be read (corrupt or truncated?): "
+                               f"{one_line(e)}") from None
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
             ckpt = dict(ckpt, rng=state["rng"])
@@ -974,8 +1017,9 @@ class RunLog:
                         or (r.get("type") == "eval" and r["iter"] <= start_iter)]
                 # a kill during the rewrite leaves the old log whole
                 atomic_write(self.path, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept), "w")
-            elif os.path.exists(self.ckpt_path):  # --overwrite: the old checkpoint must not resume the new log
-                shutil.rmtree(self.ckpt_path) if os.path.isdir(self.ckpt_path) else os.remove(self.ckpt_path)
+            else:  # --overwrite: no old checkpoint, of either kind, may resume the new log
+                for p in checkpoints_in(args.out_dir):
+                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
             self.file = open(self.path, "a" if args.resume else "w")
         self.bar = tqdm(total=args.max_iters, initial=start_iter, disable=not proc.master, dynamic_ncols=True,
                         mininterval=0.5, desc="train")
@@ -1191,7 +1235,45 @@ def load_dcp_meta(path):
                        f"(train.json: {getattr(e, 'strerror', None) or e})") from None
     if not isinstance(meta, dict) or meta.get("format") != CKPT_FORMAT:
         raise RunError(f"--resume: {path} is not a train.py checkpoint (format {CKPT_FORMAT})")
+    check_dcp_files(path)
     return dict(meta, dcp=path)
+
+
+def one_line(e):
+    """'Type: first line of the message' (at most 200 characters) of an exception; of a DCP
+    CheckpointException, that of the first failed rank's exception, which it wraps."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (e, _) = min(failures.items())
+        return f"rank {rank}: {one_line(e)}"
+    msg = str(e)
+    if "WeightsUnpickler error:" in msg:   # skip torch.load's advice on weights_only=False
+        msg = msg.split("WeightsUnpickler error:")[1].strip()
+    msg = (msg.strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {msg[:200]}"
+
+
+def check_dcp_files(path):
+    """RunError (one line, naming the folder and the file) unless the DCP folder's .metadata reads
+    and every byte range it lists lies in a present .distcp file: a deleted or truncated file is
+    reported before any model is built, on every rank alike."""
+    from torch.distributed.checkpoint import FileSystemReader
+    bad = f"--resume: checkpoint {path} cannot be read (corrupt or truncated?)"
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise RunError(f"{bad}: its .metadata is missing")
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:
+        raise RunError(f"{bad}: .metadata: {one_line(e)}") from None
+    need = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(need.items()):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            raise RunError(f"{bad}: {name} is missing")
+        if os.path.getsize(f) < end:
+            raise RunError(f"{bad}: {name} has {os.path.getsize(f)} bytes, its .metadata needs {end}")
 
 
 def load_checkpoint(path):
@@ -1286,12 +1368,14 @@ def main(argv=None):
     setup_threads(args, proc)
     try:
         if args.grad_accum % proc.world:
-            raise RunError(f"--grad_accum {args.grad_accum} must be divisible by the number of GPUs ({proc.world})")
+            raise RunError(f"--grad_accum {args.grad_accum} must be divisible by the number of processes ({proc.world})")
         torch.manual_seed(args.seed)
         if proc.device_type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         check_out_dir(args, proc)
+        if args.resume:
+            check_resume_kind(args)
         ckpt = load_checkpoint(resume_path(args)) if args.resume else None  # a bad file fails before data
         batches = setup_data(args, proc)
         model, replaced = setup_model(args, proc, batches)
