@@ -629,8 +629,8 @@ def check_resume_config(saved, current, path):
 
 
 def check_out_dir(args, proc):
-    """RunError (one line) before any data or model: a fresh run would replace the checkpoint in
-    --out_dir (without --overwrite), or --out_dir cannot be created or written (with the reason)."""
+    """RunError (one line) before any data or model: a fresh run would replace a checkpoint of either
+    kind in --out_dir (without --overwrite), or --out_dir cannot be created or written (with the reason)."""
     found = checkpoints_in(args.out_dir)
     if not args.resume and not args.overwrite and found:
         kind, how = ckpt_kind(found[0])
