@@ -4384,6 +4384,7 @@ def test_resume_names_the_other_checkpoint_kind_and_takes_an_out_dir(corpus, tmp
                             f"resume it with --resume without --fsdp .*", str(e.value))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # DCP in this one process: intended
 def test_corrupt_fsdp_checkpoint_folder_is_a_one_line_error(tmp_path):
     """A DCP folder with its .metadata or a .distcp file deleted, truncated or garbled is a RunError
     of one line naming the folder and the file, from load_checkpoint (before any model is built)
