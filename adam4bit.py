@@ -515,8 +515,8 @@ def _fused_fp32_group(a, t, seed, lr, b1, b2, eps, wd, rule):
         if corr is not None:
             flat = join_master(flat, torch.cat(a["cflat"] if a["views"] else [c.reshape(-1) for c in corr]))
         flat = flat.float()
-        ws = list(flat.split(sizes))
-        gs = list(torch.cat([p.grad.reshape(-1) for p in ps]).float().split(sizes))
+        ws = list(flat.split_with_sizes(sizes))
+        gs = list(torch.cat([p.grad.reshape(-1) for p in ps]).float().split_with_sizes(sizes))
     torch._fused_adamw_(ws, gs, a["ms"], a["vs"], [], [step] * len(ps),
                         lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                         amsgrad=False, maximize=False)
@@ -528,9 +528,9 @@ def _fused_fp32_group(a, t, seed, lr, b1, b2, eps, wd, rule):
             gen = torch.Generator(device=flat.device).manual_seed(seed)
         _write_step(flat_p, flat, flat_c, rule, None, gen)
         if a["views"]:
-            torch._foreach_copy_(a["pflat"], list(flat_p.split(sizes)))
+            torch._foreach_copy_(a["pflat"], list(flat_p.split_with_sizes(sizes)))
             if flat_c is not None:
-                torch._foreach_copy_(a["cflat"], list(flat_c.split(sizes)))
+                torch._foreach_copy_(a["cflat"], list(flat_c.split_with_sizes(sizes)))
         else:
             torch._foreach_copy_(ps, [x.view_as(p) for x, p in zip(flat_p.split(sizes), ps)])
             if flat_c is not None:
@@ -979,6 +979,11 @@ class AdamW4bit(torch.optim.Optimizer):
         per group of tensors sharing step, gradient dtype and first-moment rule) or the reference
         (adamw4bit_step_torch); FP32-state tensors through torch's fused AdamW on CUDA, the
         reference loop elsewhere. Returns the closure's loss (None without a closure).
+        A step records its plan (groups, launch tables, the flat views of the FP32-state path) and
+        later steps replay it, with no Python per tensor beyond a signature check, while the
+        parameters, which have gradients, their dtypes, the states (replaced by load_state_dict)
+        and the groups are unchanged; gradients at new addresses only repoint the launch tables.
+        FSDP2 (DTensor) parameters and the reference path take the full path every step.
         """
         loss = None
         if closure is not None:
@@ -1063,12 +1068,15 @@ class AdamW4bit(torch.optim.Optimizer):
         # their dtypes and layout, the LM head's first-moment rule, and _plan_version (states
         # created or loaded, groups added, LM head marked). Gradient addresses are not part of it:
         # _replay repoints the launch tables when they move. None: no plan (FSDP2 parameters).
-        if DTensor is not None and any(isinstance(p, DTensor) for p in params):
+        ids = tuple(map(id, params))
+        plan = self._plan   # the same objects as the plan's: no DTensor (isinstance is slow on tensors)
+        if (plan is None or plan["key"][7] != ids) and DTensor is not None and \
+                any(isinstance(p, DTensor) for p in params):
             return None
         after = self.qcfg["lm_head_sr_after"]
         return (self._plan_version, id(self.state), interp, self.impl, after is not None and self.progress >= after,
                 tuple([g["quantize"] for g in self.param_groups]), tuple(map(len, [g["params"] for g in self.param_groups])),
-                tuple(map(id, params)),
+                ids,
                 tuple([None if g is None else (p.data_ptr(), p.dtype, p.is_contiguous(), g.dtype, g.layout is torch.strided
                                                and g.is_contiguous()) for p, g in zip(params, grads)]))
 
@@ -1651,13 +1659,13 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
     if u is not None:
         ptrs = tuple(r + tuple(x.data_ptr() for x in us) for r, us in zip(ptrs, u))
     key = (B, nb, KERNEL_TILES, ptrs)              # the rows' first programs depend on all
-    tab = None if own_table else launches.get(key)
+    tab = launches.get(key)
     if tab is None:
-        tab = _launch_table(ptrs, progs[1], B, dev)
-        if not own_table:
-            if len(launches) > 64:                 # parameters or states were reallocated
-                launches.clear()
-            launches[key] = tab
+        if len(launches) > 64:                     # parameters or states were reallocated
+            launches.clear()
+        tab = launches[key] = _launch_table(ptrs, progs[1], B, dev)
+    if own_table:
+        tab = tab.clone()                          # a device copy: no host transfer
     # reading an element pair as one word needs p and grad 8- (FP32) or 4-byte (BF16, FP16)
     # aligned: true for whole tensors, maybe not for views into a flat buffer; otherwise the
     # launch reads element by element

@@ -263,6 +263,8 @@ def bench_host(rep=200):
 
     A._adamw4bit_kernel, torch._fused_adamw_ = NoLaunch(), lambda *args, **kw: None
     A._FUSED_ADAMW_DEVICES = devices + ("cpu",)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # the small tensors' CPU arithmetic without thread-pool wake-ups
     hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, preset="zipsr", impl="triton")
     cases = [("fp32 params", torch.float32, {}), ("bf16 params, RTN write", torch.bfloat16, {}),
              ("bf16 params, SR write", torch.bfloat16, dict(param_rounding="sr")),
@@ -286,6 +288,7 @@ def bench_host(rep=200):
             print(f"{case:28s} {rows[-1]['host_ms']:8.3f} ms per step() (median of {rep}, CPU proxy)")
     finally:
         A._adamw4bit_kernel, torch._fused_adamw_, A._FUSED_ADAMW_DEVICES = kernel, fused, devices
+        torch.set_num_threads(threads)
     return dict(rows=rows)
 
 
