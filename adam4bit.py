@@ -999,8 +999,8 @@ class AdamW4bit(torch.optim.Optimizer):
             return loss
         # the step below also records what a step with the same key repeats (self._plan)
         self._plan = None
-        plan = dict(key=key, states=[], groups=[], k=0, grads=tuple(g.data_ptr() for g in grads if g is not None
-                                                                  and g.layout is torch.strided))
+        plan = dict(key=key, states=[], groups=[], k=0, grads=tuple(
+            g.data_ptr() for g in grads if g is not None and g.layout is torch.strided))
         cacheable = key is not None
         index, writeback = 0, []
         for group in self.param_groups:
@@ -1074,11 +1074,14 @@ class AdamW4bit(torch.optim.Optimizer):
                 any(isinstance(p, DTensor) for p in params):
             return None
         after = self.qcfg["lm_head_sr_after"]
-        return (self._plan_version, id(self.state), interp, self.impl, after is not None and self.progress >= after,
-                tuple([g["quantize"] for g in self.param_groups]), tuple(map(len, [g["params"] for g in self.param_groups])),
+        groups = self.param_groups
+        return (self._plan_version, id(self.state), interp, self.impl,
+                after is not None and self.progress >= after,
+                tuple([g["quantize"] for g in groups]), tuple(map(len, [g["params"] for g in groups])),
                 ids,
-                tuple([None if g is None else (p.data_ptr(), p.dtype, p.is_contiguous(), g.dtype, g.layout is torch.strided
-                                               and g.is_contiguous()) for p, g in zip(params, grads)]))
+                tuple([None if g is None else (p.data_ptr(), p.dtype, p.is_contiguous(), g.dtype,
+                                               g.layout is torch.strided and g.is_contiguous())
+                       for p, g in zip(params, grads)]))
 
     def _replay(self, plan, grads):
         # the recorded step, k steps later: the same tensors, groups and launches, each group's

@@ -780,7 +780,8 @@ def save(section, result, path=None):
 def build_parser():
     ap = argparse.ArgumentParser(prog="bench.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "ddp", "fsdp", "quality", "plots"],
+    ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "ddp", "fsdp", "quality",
+                                       "plots"],
                     default=None, help="run one section (default: all but ddp and quality); quality and "
                                        "plots run experiments.py's code")
     ap.add_argument("--dataset", default="stdlib", help="--only ddp/quality: train.py's --dataset")
