@@ -442,6 +442,9 @@ def _sr_seed(seed, t, index):
     return (_seed_of_step(seed, t) + _seed_of_index(index)) % _SEED_MOD
 
 
+_FUSED_ADAMW_DEVICES = ("cuda",)   # where _adamw_fp32_steps calls torch's fused AdamW
+
+
 def _adamw_fp32_steps(items, lr, b1, b2, eps, wd, rule="rtn", seeds=None):
     """AdamW on FP32 states (paper B's 32-bit baseline; also tensors too small to quantize).
     items: (param, state, t) triples. CUDA: torch's fused AdamW kernel, one launch per step
@@ -452,38 +455,12 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd, rule="rtn", seeds=None):
     weight eq. MW's master weight."""
     if not items:
         return
-    if items[0][0].is_cuda:
+    if items[0][0].device.type in _FUSED_ADAMW_DEVICES:
         by_t = {}
         for i, (p, st, t) in enumerate(items):
             by_t.setdefault((t, p.dtype), []).append((p, st, seeds[i] if seeds else 0))
         for (t, _), its in by_t.items():
-            ps = [p for p, _, _ in its]
-            step = torch.full((), float(t), dtype=torch.float32, device=ps[0].device)
-            if ps[0].dtype == torch.float32:
-                ws, gs = ps, [p.grad.float() for p in ps]
-            else:     # the small tensors as one flat FP32 buffer: a few launches, not a few per tensor
-                sizes = [p.numel() for p in ps]
-                corr = [st.get("param_correction") for _, st, _ in its]
-                has_corr = all(c is not None for c in corr)
-                flat = torch.cat([p.detach().reshape(-1) for p in ps])
-                if has_corr:
-                    flat = join_master(flat, torch.cat([c.reshape(-1) for c in corr]))
-                flat = flat.float()
-                ws = list(flat.split(sizes))
-                gs = list(torch.cat([p.grad.reshape(-1) for p in ps]).float().split(sizes))
-            # the moments shaped like ws (flat for the 16-bit copy)
-            ms, vs = ([st[k].view_as(w) for (_, st, _), w in zip(its, ws)] for k in ("exp_avg", "exp_avg_sq"))
-            torch._fused_adamw_(ws, gs, ms, vs, [], [step] * len(ps),
-                                lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
-                                amsgrad=False, maximize=False)
-            if ps[0].dtype != torch.float32:
-                flat_p = torch.empty(flat.shape, dtype=ps[0].dtype, device=flat.device)
-                flat_c = torch.empty(flat.shape, dtype=torch.int8, device=flat.device) if has_corr else None
-                gen = torch.Generator(device=flat.device).manual_seed(its[0][2])
-                _write_step(flat_p, flat, flat_c, rule, None, gen)
-                torch._foreach_copy_(ps, [x.view_as(p) for x, p in zip(flat_p.split(sizes), ps)])
-                if flat_c is not None:
-                    torch._foreach_copy_(corr, [x.view_as(c) for x, c in zip(flat_c.split(sizes), corr)])
+            _fused_fp32_group(_fused_fp32_args(its), t, its[0][2], lr, b1, b2, eps, wd, rule)
         return
     for i, (p, st, t) in enumerate(items):
         m, v = st["exp_avg"], st["exp_avg_sq"]
@@ -501,6 +478,63 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd, rule="rtn", seeds=None):
             _write_step(p, w, corr, rule, None, gen)
         else:
             p.copy_(w)
+
+
+def _fused_fp32_args(its):
+    # the step-independent inputs of _fused_fp32_group for (param, state, seed) triples of one
+    # device, dtype and step: the parameters, their moments shaped like the weights the fused
+    # kernel steps (the parameters themselves in FP32; flat for the 16-bit copy), and for 16-bit
+    # parameters their flat views and param_correction (None unless every state has one)
+    ps = [p for p, _, _ in its]
+    a = dict(ps=ps, flat=ps[0].dtype != torch.float32)
+    if not a["flat"]:
+        a["ms"], a["vs"] = ([st[k].view_as(p) for p, st, _ in its] for k in ("exp_avg", "exp_avg_sq"))
+        return a
+    corr = [st.get("param_correction") for _, st, _ in its]
+    corr = corr if all(c is not None for c in corr) else None
+    # flat views write through to the tensors only when these are contiguous (else per step)
+    views = all(p.is_contiguous() for p in ps) and all(c.is_contiguous() for c in corr or ())
+    a.update(sizes=[p.numel() for p in ps], corr=corr, views=views,
+             pflat=[p.detach().view(-1) for p in ps] if views else None,
+             cflat=[c.view(-1) for c in corr] if views and corr else None)
+    a["ms"], a["vs"] = ([st[k].view(-1) for _, st, _ in its] for k in ("exp_avg", "exp_avg_sq"))
+    return a
+
+
+def _fused_fp32_group(a, t, seed, lr, b1, b2, eps, wd, rule):
+    # torch's fused AdamW on one _fused_fp32_args group at step t (BF16/FP16 parameters: the small
+    # tensors as one flat FP32 buffer, a few launches rather than a few per tensor; seed: the SR
+    # write's, drawn only for BF16 SR writes without param_correction)
+    ps = a["ps"]
+    step = torch.full((), float(t), dtype=torch.float32, device=ps[0].device)
+    if not a["flat"]:
+        ws, gs = ps, [p.grad.float() for p in ps]
+    else:
+        sizes, corr = a["sizes"], a["corr"]
+        flat = torch.cat(a["pflat"] if a["views"] else [p.detach().reshape(-1) for p in ps])
+        if corr is not None:
+            flat = join_master(flat, torch.cat(a["cflat"] if a["views"] else [c.reshape(-1) for c in corr]))
+        flat = flat.float()
+        ws = list(flat.split_with_sizes(sizes))
+        gs = list(torch.cat([p.grad.reshape(-1) for p in ps]).float().split_with_sizes(sizes))
+    torch._fused_adamw_(ws, gs, a["ms"], a["vs"], [], [step] * len(ps),
+                        lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
+                        amsgrad=False, maximize=False)
+    if a["flat"]:
+        flat_p = torch.empty(flat.shape, dtype=ps[0].dtype, device=flat.device)
+        flat_c = torch.empty(flat.shape, dtype=torch.int8, device=flat.device) if corr is not None else None
+        gen = None
+        if rule == "sr" and flat_c is None and ps[0].dtype == torch.bfloat16:   # else unused
+            gen = torch.Generator(device=flat.device).manual_seed(seed)
+        _write_step(flat_p, flat, flat_c, rule, None, gen)
+        if a["views"]:
+            torch._foreach_copy_(a["pflat"], list(flat_p.split_with_sizes(sizes)))
+            if flat_c is not None:
+                torch._foreach_copy_(a["cflat"], list(flat_c.split_with_sizes(sizes)))
+        else:
+            torch._foreach_copy_(ps, [x.view_as(p) for x, p in zip(flat_p.split(sizes), ps)])
+            if flat_c is not None:
+                torch._foreach_copy_(corr, [x.view_as(c) for x, c in zip(flat_c.split(sizes), corr)])
 
 
 # ============================================================================================
@@ -760,6 +794,7 @@ class AdamW4bit(torch.optim.Optimizer):
                 if impl == "triton":
                     raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
         self._kernel_cache = {}    # adamw4bit_step_triton's device tables and launch tables
+        self._plan, self._plan_version = None, 0   # step()'s recorded plan and what voids it
         self._shard_layouts = {}   # id(DTensor parameter) -> _shard_layout
         self.seed = int(seed)
         self.progress = 0.0
@@ -771,6 +806,7 @@ class AdamW4bit(torch.optim.Optimizer):
         """torch's add_param_group, then checks the group's hyperparameters (every group, also
         those given to the constructor) and that its parameters are real floating tensors."""
         super().add_param_group(param_group)
+        self._plan_version += 1
         group = self.param_groups[-1]
         _check_hparams(group, f"param group {len(self.param_groups) - 1}: ")
         if not isinstance(group["quantize"], bool):
@@ -793,6 +829,7 @@ class AdamW4bit(torch.optim.Optimizer):
         if not any(param is p for g in self.param_groups for p in g["params"]):
             raise ValueError("mark_lm_head: the tensor is not a parameter of this optimizer")
         self._lm_head.add(id(param))
+        self._plan_version += 1
 
     def set_progress(self, fraction):
         """Tell the optimizer the training progress, a float in [0, 1] (step / total_steps);
@@ -917,6 +954,7 @@ class AdamW4bit(torch.optim.Optimizer):
             if "exp_avg" in st and st["exp_avg"].numel() != (p.numel() // 2 if quantized else p.numel()):
                 raise ValueError(f"optimizer state of parameter {pid} ({st['exp_avg'].numel()} exp_avg "
                                  f"entries) does not fit the parameter of shape {tuple(p.shape)}")
+        self._plan_version += 1
         super().load_state_dict({"state": state_dict["state"], "param_groups": [
             {k: v for k, v in g.items() if k != "adam4bit"} for g in groups]})
         # torch casts every state tensor to the parameter's dtype (uint8 codes too): put back the
@@ -941,18 +979,35 @@ class AdamW4bit(torch.optim.Optimizer):
         per group of tensors sharing step, gradient dtype and first-moment rule) or the reference
         (adamw4bit_step_torch); FP32-state tensors through torch's fused AdamW on CUDA, the
         reference loop elsewhere. Returns the closure's loss (None without a closure).
+        A step records its plan (groups, launch tables, the flat views of the FP32-state path) and
+        later steps replay it, with no Python per tensor beyond a signature check, while the
+        parameters, which have gradients, their dtypes, the states (replaced by load_state_dict)
+        and the groups are unchanged; gradients at new addresses only repoint the launch tables.
+        FSDP2 (DTensor) parameters and the reference path take the full path every step.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        key = self._plan_key(interp, params, grads)
+        plan = self._plan
+        if plan is not None and plan["key"] == key:
+            self._replay(plan, grads)
+            return loss
+        # the step below also records what a step with the same key repeats (self._plan)
+        self._plan = None
+        plan = dict(key=key, states=[], groups=[], k=0, grads=tuple(
+            g.data_ptr() for g in grads if g is not None and g.layout is torch.strided))
+        cacheable = key is not None
         index, writeback = 0, []
         for group in self.param_groups:
             lr = group["lr"]
             lr = float(lr.item()) if torch.is_tensor(lr) else float(lr)
             hp = (lr, *group["betas"], group["eps"], group["weight_decay"])
-            fp32, seeds, quant = [], [], {}
+            fp32, seeds, sidxs, quant = [], [], [], {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -962,9 +1017,11 @@ class AdamW4bit(torch.optim.Optimizer):
                                        "use dense gradients (e.g. nn.Embedding(sparse=False))")
                 st = self.state[p] if self.state[p] else self._init_state(p, group)
                 st["step"] += 1
+                plan["states"].append(st)
                 t = int(st["step"])
                 quantized, m_rule, sidx = self.is_quantized(p, group), self.m_rounding_for(p), index
                 if _is_dtensor(p):   # FSDP2: step this rank's shard (or the gathered tensor)
+                    cacheable = False
                     layout = self._shard_layouts.get(id(p))
                     if layout is None:
                         layout = self._shard_layouts[id(p)] = _shard_layout(p, quantized, self.qcfg["block_size"])
@@ -976,19 +1033,84 @@ class AdamW4bit(torch.optim.Optimizer):
                 if not quantized:
                     fp32.append((p, st, t))
                     seeds.append(_sr_seed(self.seed, t, sidx))
+                    sidxs.append(sidx)
                     continue
                 if self._use_triton(p, interp):
                     quant.setdefault((t, p.dtype, p.grad.dtype, m_rule), []).append((p, st, sidx))
                 else:
+                    cacheable = False
                     adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule,
                                          _sr_seed(self.seed, t, sidx))
             _adamw_fp32_steps(fp32, *hp, self.qcfg["param_rounding"], seeds)
+            gplan = dict(group=group, fused=[], loop=[], quant=[])
+            plan["groups"].append(gplan)
+            if fp32 and cacheable and fp32[0][0].device.type in _FUSED_ADAMW_DEVICES:
+                by_t = {}      # _adamw_fp32_steps's groups, each with its first item's seed index
+                for (p, st, t), i in zip(fp32, sidxs):
+                    by_t.setdefault((t, p.dtype), []).append((p, st, i))
+                gplan["fused"] = [(t, its[0][2], _fused_fp32_args(its)) for (t, _), its in by_t.items()]
+            elif fp32:
+                gplan["loop"] = [(p, st, t, i) for (p, st, t), i in zip(fp32, sidxs)]
             for (t, _, _, m_rule), items in quant.items():
-                adamw4bit_step_triton(items, *hp, t, self.qcfg, m_rule, _seed_of_step(self.seed, t),
-                                      self._kernel_tabs, self._kernel_cache)
+                launch = _triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache,
+                                         own_table=cacheable)
+                _triton_launch(launch, *hp, t, _seed_of_step(self.seed, t))
+                gplan["quant"].append((t, launch, [p for p, _, _ in items]))
         for args in writeback:
             _write_back(*args)
+        if cacheable:
+            self._plan = plan
         return loss
+
+    def _plan_key(self, interp, params, grads):
+        # What the recorded plan of a step depends on, beyond the hyperparameters and the seed that
+        # _replay reads each step: the parameter set and storage, which tensors have gradients and
+        # their dtypes and layout, the LM head's first-moment rule, and _plan_version (states
+        # created or loaded, groups added, LM head marked). Gradient addresses are not part of it:
+        # _replay repoints the launch tables when they move. None: no plan (FSDP2 parameters).
+        ids = tuple(map(id, params))
+        plan = self._plan   # the same objects as the plan's: no DTensor (isinstance is slow on tensors)
+        if (plan is None or plan["key"][7] != ids) and DTensor is not None and \
+                any(isinstance(p, DTensor) for p in params):
+            return None
+        after = self.qcfg["lm_head_sr_after"]
+        groups = self.param_groups
+        return (self._plan_version, id(self.state), interp, self.impl,
+                after is not None and self.progress >= after,
+                tuple([g["quantize"] for g in groups]), tuple(map(len, [g["params"] for g in groups])),
+                ids,
+                tuple([None if g is None else (p.data_ptr(), p.dtype, p.is_contiguous(), g.dtype,
+                                               g.layout is torch.strided and g.is_contiguous())
+                       for p, g in zip(params, grads)]))
+
+    def _replay(self, plan, grads):
+        # the recorded step, k steps later: the same tensors, groups and launches, each group's
+        # step t + k; the hyperparameters (lr, betas, eps, weight_decay), param_rounding and seed
+        # are read now
+        for st in plan["states"]:
+            st["step"] += 1
+        plan["k"] = k = plan["k"] + 1
+        gptrs = tuple([g.data_ptr() for g in grads if g is not None])
+        moved = gptrs != plan["grads"]
+        plan["grads"] = gptrs
+        rule = self.qcfg["param_rounding"]
+        for gplan in plan["groups"]:
+            group = gplan["group"]
+            lr = group["lr"]
+            lr = float(lr.item()) if torch.is_tensor(lr) else float(lr)
+            hp = (lr, *group["betas"], group["eps"], group["weight_decay"])
+            for t, i, a in gplan["fused"]:
+                _fused_fp32_group(a, t + k, _sr_seed(self.seed, t + k, i), *hp, rule)
+            if gplan["loop"]:
+                loop = gplan["loop"]
+                _adamw_fp32_steps([(p, st, t + k) for p, st, t, _ in loop], *hp, rule,
+                                  [_sr_seed(self.seed, t + k, i) for _, _, t, i in loop])
+            for t, launch, ps in gplan["quant"]:
+                if moved:
+                    gs = [p.grad for p in ps]
+                    if tuple(g.data_ptr() for g in gs) != launch["grads"]:
+                        _triton_regrad(launch, gs)
+                _triton_launch(launch, *hp, t + k, _seed_of_step(self.seed, t + k))
 
     def _use_triton(self, p, interp):
         if self._kernel_tabs is None:
@@ -1513,6 +1635,15 @@ def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_o
     u:      optional list of (u_m, u_v, u_p) float32 uniform tensors per item, replacing the
             kernel's Philox bits (tests).
     """
+    _triton_launch(_triton_prepare(items, cfg, m_rounding, tables, cache, u), lr, b1, b2, eps, wd, t,
+                   seed_of_step)
+
+
+def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=False):
+    """Everything of adamw4bit_step_triton's launch that does not change between steps: the
+    grid's program table, the launch table, the lookup tables and the compile-time flags (a
+    dict for _triton_launch). own_table: a launch table of its own, not shared with the cache
+    (the step's cached plan rewrites its gradient column in place, _triton_regrad)."""
     B = cfg["block_size"]
     dev = items[0][0].device
     dev_tables, programs, launches = (cache.setdefault(k, {}) for k in ("tables", "programs", "launch"))
@@ -1536,29 +1667,55 @@ def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_o
         if len(launches) > 64:                     # parameters or states were reallocated
             launches.clear()
         tab = launches[key] = _launch_table(ptrs, progs[1], B, dev)
+    if own_table:
+        tab = tab.clone()                          # a device copy: no host transfer
     # reading an element pair as one word needs p and grad 8- (FP32) or 4-byte (BF16, FP16)
     # aligned: true for whole tensors, maybe not for views into a flat buffer; otherwise the
     # launch reads element by element
     p0 = items[0][0]
     p_align, g_align = 2 * p0.element_size(), 2 * p0.grad.element_size()
-    aligned = all(r[0] % p_align == 0 and r[1] % g_align == 0 for r in ptrs)
+    p_aligned = all(r[0] % p_align == 0 for r in ptrs)
     bf16 = p0.dtype == torch.bfloat16
     p_corr = bf16 and "param_correction" in items[0][1]
     v_coord, v_rule = cfg["v_rounding"].split("-")
-    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-    decay, step_size = 1 - lr * wd, lr / bc1
     extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
     if KERNEL_MAXNREG and extra:
         extra["maxnreg"] = KERNEL_MAXNREG["sr" in (m_rounding, v_rule) or bool(cfg["eden"])
                                           or cfg.get("param_rounding") == "sr"]
     m_lut, v_lut = tabs[f"m_lut_{m_rounding}"], tabs["v_lut"]
-    _adamw4bit_kernel[(progs[0].numel(),)](
-        progs[0], tab,
+    return dict(
+        grid=(progs[0].numel(),), progs=progs[0], tab=tab, tabs=tabs, m_lut=m_lut, v_lut=v_lut,
+        grads=tuple(r[1] for r in ptrs), g_align=g_align, p_aligned=p_aligned,
+        flags=dict(M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
+                   EDEN=bool(cfg["eden"]), HAS_U=u is not None,
+                   P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
+                   P_SR=bf16 and not p_corr and cfg.get("param_rounding", "rtn") == "sr", P_CORR=p_corr,
+                   ALIGNED=p_aligned and all(r[1] % g_align == 0 for r in ptrs),
+                   BLOCK_SIZE=B, NB=nb, TILES=KERNEL_TILES, num_warps=1, **extra))
+
+
+def _triton_regrad(launch, grads):
+    """Point a _triton_prepare(own_table=True) launch at new gradient tensors (same dtypes and
+    sizes, e.g. after zero_grad(set_to_none=True) when the allocator gave other addresses): one
+    host-to-device copy of the gradient column, from pinned memory without a host sync."""
+    ptrs = tuple(g.data_ptr() for g in grads)
+    col = torch.tensor(ptrs, dtype=torch.int64)
+    tab = launch["tab"]
+    if tab.is_cuda:
+        col = col.pin_memory()
+    tab[:, TAB_GRAD.value].copy_(col, non_blocking=True)
+    launch["grads"] = ptrs
+    launch["flags"]["ALIGNED"] = launch["p_aligned"] and all(g % launch["g_align"] == 0 for g in ptrs)
+
+
+def _triton_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
+    """Launch _adamw4bit_kernel for a _triton_prepare plan with step t's scalars."""
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    decay, step_size = 1 - lr * wd, lr / bc1
+    tabs, m_lut, v_lut = launch["tabs"], launch["m_lut"], launch["v_lut"]
+    _adamw4bit_kernel[launch["grid"]](
+        launch["progs"], launch["tab"],
         tabs["m_decode"], tabs["v_decode"], tabs["v_codebook"], m_lut, v_lut,
         (m_lut.numel() - 1) / 2, (v_lut.numel() - 1) / 2, tabs["m_adjacent"], tabs["v_adjacent"],
         seed_of_step, decay, step_size, b1, 1 - b1, b2, 1 - b2, 1 / math.sqrt(bc2), eps,
-        M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
-        EDEN=bool(cfg["eden"]), HAS_U=u is not None,
-        P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
-        P_SR=bf16 and not p_corr and cfg.get("param_rounding", "rtn") == "sr", P_CORR=p_corr, ALIGNED=aligned, BLOCK_SIZE=B, NB=nb, TILES=KERNEL_TILES,
-        num_warps=1, **extra)
+        **launch["flags"])

@@ -5,6 +5,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
 
     python bench.py                 # optim, noise, memory, train
     python bench.py --only optim    # 4-bit AdamW step (paper B) vs torch AdamW, bandwidth floor
+    python bench.py --only host     # CPU: the 4-bit step's Python work per call (no GPU needed)
     python bench.py --only noise    # GaussWS noise kernels (paper A, Figure 6)
     python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
     python bench.py --only train    # GPT-2-124M compiled: bf16 vs GaussWS vs plain-PyTorch eq. 3
@@ -245,6 +246,50 @@ def bench_optim(quick=False):
           "cap%: share of samples with the software power cap lowering the clocks; "
           "host ms: CPU time of one step() call started with the GPU idle, median)")
     return dict(copy_bandwidth_TBps=bw / 1e12, rows=rows)
+
+
+def bench_host(rep=200):
+    """The step's Python work per call on CPU, no GPU needed (a proxy for "host ms" above): AdamW4bit
+    on GPT-2-124M shapes with TRITON_INTERPRET=1 and impl="triton" takes the kernel path for CPU
+    tensors; the kernel launch and torch's fused AdamW are replaced by no-ops, and the FP32-state
+    tensors take the CUDA branch of _adamw_fp32_steps (one fused call on a flat copy), so what is
+    timed is the bookkeeping that the GPU step's host time is made of besides the launches."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    kernel, fused, devices = A._adamw4bit_kernel, torch._fused_adamw_, A._FUSED_ADAMW_DEVICES
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: None
+
+    A._adamw4bit_kernel, torch._fused_adamw_ = NoLaunch(), lambda *args, **kw: None
+    A._FUSED_ADAMW_DEVICES = devices + ("cpu",)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)     # the small tensors' CPU arithmetic without thread-pool wake-ups
+    hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, preset="zipsr", impl="triton")
+    cases = [("fp32 params", torch.float32, {}), ("bf16 params, RTN write", torch.bfloat16, {}),
+             ("bf16 params, SR write", torch.bfloat16, dict(param_rounding="sr")),
+             ("bf16 params, 24-bit master", torch.bfloat16, dict(master_weight_bits=24))]
+    rows = []
+    try:
+        for case, pdt, kw in cases:
+            g = torch.Generator().manual_seed(0)
+            ps = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(pdt)) for s in gpt2_shapes()]
+            for p in ps:
+                p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(pdt)
+            opt = A.AdamW4bit(ps, **hp, **kw)
+            for _ in range(5):
+                opt.step()
+            times = []
+            for _ in range(rep):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+            rows.append(dict(case=case, host_ms=statistics.median(times)))
+            print(f"{case:28s} {rows[-1]['host_ms']:8.3f} ms per step() (median of {rep}, CPU proxy)")
+    finally:
+        A._adamw4bit_kernel, torch._fused_adamw_, A._FUSED_ADAMW_DEVICES = kernel, fused, devices
+        torch.set_num_threads(threads)
+    return dict(rows=rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,7 +780,8 @@ def save(section, result, path=None):
 def build_parser():
     ap = argparse.ArgumentParser(prog="bench.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "noise", "train", "memory", "ddp", "fsdp", "quality", "plots"],
+    ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "ddp", "fsdp", "quality",
+                                       "plots"],
                     default=None, help="run one section (default: all but ddp and quality); quality and "
                                        "plots run experiments.py's code")
     ap.add_argument("--dataset", default="stdlib", help="--only ddp/quality: train.py's --dataset")
@@ -759,6 +805,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.only == "host":   # CPU only: the step's Python work, the GPU launches stubbed out
+        save("host", bench_host())
+        return
     if args.only in ("quality", "plots"):
         import experiments
         if args.only == "plots":

@@ -1558,6 +1558,75 @@ def test_gpu_16bit_params_bit_identical_to_reference():
     d = (p.view(torch.int16).int() - q.view(torch.int16).int()).abs()
     assert d.max() == 1 and 0.05 < (d > 0).float().mean() < 0.95
 
+# ---------------------------------------------------------------------------------------------
+# step()'s recorded plan: replayed while nothing it depends on changed, rebuilt otherwise
+
+def test_step_plan_is_rebuilt_on_every_change_and_matches_an_uncached_step(monkeypatch):
+    # X keeps its plan; Y drops it before each step (every step then takes the full path, as a
+    # fresh optimizer's first step does). The FP32-state tensors take the fused-AdamW branch
+    # (torch's fused AdamW runs on CPU too), whose flat BF16 copy the plan keeps views of.
+    monkeypatch.setattr(A, "_FUSED_ADAMW_DEVICES", ("cuda", "cpu"))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(32, 128), (4096,), (96,), (8, 8)]
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    xs, ys = ([torch.nn.Parameter(w.clone()) for w in init] for _ in range(2))
+    extra = torch.randn(4096, generator=gen)
+    kw = dict(lr=1e-2, preset="zipsr", impl="triton", param_rounding="sr")
+    ox, oy = A.AdamW4bit(xs, **kw), A.AdamW4bit(ys, **kw)
+    keep = []     # old gradients stay alive, so new ones get other addresses
+
+    def step(none=(), replay=False):
+        plan = ox._plan
+        for j, (x, y) in enumerate(zip(ox._params(), oy._params())):
+            g = torch.randn(x.shape, generator=gen).to(x.dtype)
+            keep.append(x.grad)
+            x.grad, y.grad = (None, None) if j in none else (g.clone(), g.clone())
+        ox.step()
+        oy._plan = None
+        oy.step()
+        assert (ox._plan is plan) == replay and ox._plan is not None
+        for x, y in zip(ox._params(), oy._params()):
+            assert torch.equal(x, y)
+            sx, sy = ox.state[x], oy.state[y]
+            assert sx.keys() == sy.keys() and sx["step"] == sy["step"]
+            assert all(torch.equal(sx[k], sy[k]) for k in sx if k != "step")
+
+    def replayed_with_same_grads():
+        plan = ox._plan
+        for x, y in zip(ox._params(), oy._params()):   # same addresses: only the steps move
+            if x.grad is not None:
+                x.grad.normal_(generator=gen)
+                y.grad.copy_(x.grad)
+        ox.step()
+        oy._plan = None
+        oy.step()
+        assert ox._plan is plan      # replayed, not rebuilt
+        for x, y in zip(ox._params(), oy._params()):
+            assert torch.equal(x, y)
+
+    step()
+    step(replay=True)                # gradients re-allocated: the launch tables are repointed
+    replayed_with_same_grads()
+    step(none=(1, 2))                # a quantized and an FP32-state gradient become None
+    step()
+    sd = copy.deepcopy(ox.state_dict())
+    ox.add_param_group(dict(params=[torch.nn.Parameter(extra.clone())]))
+    oy.add_param_group(dict(params=[torch.nn.Parameter(extra.clone())]))
+    step()
+    for x, y in zip(ox._params()[::2], oy._params()[::2]):   # quantized, FP32-state and new ones
+        x.data, y.data = x.data.bfloat16(), y.data.bfloat16()
+    step()
+    ox2, oy2 = (A.AdamW4bit([torch.nn.Parameter(w.clone()) for w in init], **kw) for _ in range(2))
+    ox2.load_state_dict(sd)
+    oy2.load_state_dict(sd)
+    ox, oy = ox2, oy2
+    step()
+    replayed_with_same_grads()
+    ox.load_state_dict(sd)           # the same optimizer: its states are replaced
+    oy.load_state_dict(sd)
+    step()
+
+
 # =============================================================================================
 # gaussws.py (paper A)
 
