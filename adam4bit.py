@@ -766,7 +766,8 @@ class AdamW4bit(torch.optim.Optimizer):
         _check_hparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "")
         if not isinstance(param_rounding, str) or param_rounding not in PARAM_ROUNDINGS:
             raise ValueError(f"param_rounding must be one of {PARAM_ROUNDINGS}, got {param_rounding!r}")
-        if master_weight_bits not in MASTER_WEIGHT_BITS or isinstance(master_weight_bits, bool):
+        if master_weight_bits not in MASTER_WEIGHT_BITS or not isinstance(master_weight_bits, (int, type(None))) \
+                or isinstance(master_weight_bits, bool):
             raise ValueError(f"master_weight_bits must be one of {MASTER_WEIGHT_BITS}, got "
                              f"{master_weight_bits!r}")
         if master_weight_bits == 24 and param_rounding == "sr":
@@ -954,6 +955,11 @@ class AdamW4bit(torch.optim.Optimizer):
             if "exp_avg" in st and st["exp_avg"].numel() != (p.numel() // 2 if quantized else p.numel()):
                 raise ValueError(f"optimizer state of parameter {pid} ({st['exp_avg'].numel()} exp_avg "
                                  f"entries) does not fit the parameter of shape {tuple(p.shape)}")
+            if "param_correction" in st and p.dtype != torch.bfloat16:
+                # eq. MW's residual belongs to a BF16 weight; added to another one it would move it
+                raise ValueError(f"optimizer state of parameter {pid} holds a param_correction (saved "
+                                 f"with BF16 parameters) but the parameter is {p.dtype}; load it into "
+                                 "BF16 parameters, or drop the 'param_correction' entries first")
         self._plan_version += 1
         super().load_state_dict({"state": state_dict["state"], "param_groups": [
             {k: v for k, v in g.items() if k != "adam4bit"} for g in groups]})
@@ -965,6 +971,10 @@ class AdamW4bit(torch.optim.Optimizer):
                     self.state[p][k] = t.detach().to(device=p.device).clone()
             if "step" in self.state[p]:
                 self.state[p]["step"] = float(self.state[p]["step"])   # older checkpoints: a tensor
+            if self.qcfg["master_weight_bits"] and p.dtype == torch.bfloat16 and self.state[p] \
+                    and "param_correction" not in self.state[p]:
+                # saved with FP32 parameters: eq. MW with e = 0, the master weight is the BF16 weight
+                self.state[p]["param_correction"] = torch.zeros_like(p, dtype=torch.int8)
         extra = state_dict.get("adam4bit_extra", {})
         self.seed = int(extra.get("seed", self.seed))
         self.progress = float(extra.get("progress", self.progress))

@@ -1476,6 +1476,19 @@ def test_bf16_options_state_dict_nbytes_and_errors():
     assert torch.equal(o2.state[q]["param_correction"], o.state[p]["param_correction"])
     with pytest.raises(ValueError, match="master_weight_bits"):
         A.AdamW4bit([q], preset="zipsr", impl="torch").load_state_dict(o.state_dict())
+    # a BF16 weight's residual is refused by an FP32 parameter; an FP32-parameter state starts a
+    # BF16 parameter's residual at 0
+    q32 = torch.nn.Parameter(p.detach().float())
+    with pytest.raises(ValueError, match="param_correction .*torch.float32"):
+        A.AdamW4bit([q32], preset="zipsr", master_weight_bits=24, impl="torch").load_state_dict(o.state_dict())
+    o32 = A.AdamW4bit([q32], preset="zipsr", master_weight_bits=24, impl="torch")
+    q32.grad = torch.randn(8192)
+    o32.step()
+    o3 = A.AdamW4bit([q], preset="zipsr", master_weight_bits=24, impl="torch")
+    o3.load_state_dict(o32.state_dict())
+    assert torch.equal(o3.state[q]["param_correction"], torch.zeros(8192, dtype=torch.int8))
+    with pytest.raises(ValueError, match="master_weight_bits must be one of"):
+        A.AdamW4bit([q], master_weight_bits=24.0)
     with pytest.raises(ValueError, match="param_rounding must be one of"):
         A.AdamW4bit([q], param_rounding="stochastic")
     with pytest.raises(ValueError, match="master_weight_bits must be one of"):
