@@ -389,9 +389,12 @@ def _mlp(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
 
 
-def _train(model, opt, steps, seed=0, sched=None):
+def _train(model, opt, steps, seed=0, sched=None, skip=0):
+    # skip: batches drawn and not used, so a resumed run continues the data stream of a first one
     g = torch.Generator().manual_seed(seed)
     teacher = torch.randn(64, 64, generator=g) / 8
+    for _ in range(skip):
+        torch.randn(256, 64, generator=g)
     for _ in range(steps):
         X = torch.randn(256, 64, generator=g)
         opt.zero_grad()
@@ -765,15 +768,7 @@ def test_group_quantize_false_keeps_fp32_states_and_resume_keeps_the_policy():
     o2 = A.AdamW4bit(_head_groups(m2, True), lr=1e-2)
     o2.load_state_dict(ck["opt"])
     assert o2.param_groups[0]["quantize"] is False and not o2.is_quantized(m2[0].weight)
-    g = torch.Generator().manual_seed(0)       # _train's data stream, continued from step 2
-    teacher = torch.randn(64, 64, generator=g) / 8
-    for _ in range(2):
-        torch.randn(256, 64, generator=g)
-    for _ in range(2):
-        X = torch.randn(256, 64, generator=g)
-        o2.zero_grad()
-        ((m2(X) - torch.tanh(X @ teacher)) ** 2).mean().backward()
-        o2.step()
+    _train(m2, o2, 2, skip=2)                  # _train's data stream, continued from step 2
     for a, b in zip(m_ref.parameters(), m2.parameters()):
         assert torch.equal(a, b)
 
@@ -1023,15 +1018,7 @@ def test_kernel_lm_head_sr_launch_and_resume():
     m2, o2 = make()
     m2.load_state_dict(m1.state_dict())
     o2.load_state_dict(sd)
-    g = torch.Generator().manual_seed(0)       # _train(seed=0) draws the teacher first: replay
-    teacher = torch.randn(64, 64, generator=g) / 8
-    for _ in range(2):
-        torch.randn(256, 64, generator=g)
-    for _ in range(2):
-        X = torch.randn(256, 64, generator=g)
-        o2.zero_grad()
-        ((m2(X) - torch.tanh(X @ teacher)) ** 2).mean().backward()
-        o2.step()
+    _train(m2, o2, 2, skip=2)                  # the same data stream, continued from step 2
     for a, b in zip(m_ref.parameters(), m2.parameters()):
         assert torch.equal(a, b)
 
