@@ -466,7 +466,7 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd, rule="rtn", seeds=None):
         m, v = st["exp_avg"], st["exp_avg_sq"]
         g = p.grad.float()
         corr = st.get("param_correction")
-        w = read_param(p, corr) if corr is not None else p.detach().float()
+        w = read_param(p, corr)
         w.mul_(1 - lr * wd)
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -639,6 +639,13 @@ PRESETS = {
 V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
 IMPLS = ("auto", "torch", "triton")
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
+
+
+def _group_hparams(group):
+    # (lr, b1, b2, eps, wd) of a param group for this step; lr may be a 0-d tensor (schedulers)
+    lr = group["lr"]
+    return (float(lr.item()) if torch.is_tensor(lr) else float(lr), *group["betas"], group["eps"],
+            group["weight_decay"])
 
 
 def _check_hparams(h, where):
@@ -1000,7 +1007,7 @@ class AdamW4bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = self._params()
         grads = [p.grad for p in params]
         key = self._plan_key(interp, params, grads)
         plan = self._plan
@@ -1014,9 +1021,7 @@ class AdamW4bit(torch.optim.Optimizer):
         cacheable = key is not None
         index, writeback = 0, []
         for group in self.param_groups:
-            lr = group["lr"]
-            lr = float(lr.item()) if torch.is_tensor(lr) else float(lr)
-            hp = (lr, *group["betas"], group["eps"], group["weight_decay"])
+            hp = _group_hparams(group)
             fp32, seeds, sidxs, quant = [], [], [], {}
             for p in group["params"]:
                 index += 1
@@ -1106,9 +1111,7 @@ class AdamW4bit(torch.optim.Optimizer):
         rule = self.qcfg["param_rounding"]
         for gplan in plan["groups"]:
             group = gplan["group"]
-            lr = group["lr"]
-            lr = float(lr.item()) if torch.is_tensor(lr) else float(lr)
-            hp = (lr, *group["betas"], group["eps"], group["weight_decay"])
+            hp = _group_hparams(group)
             for t, i, a in gplan["fused"]:
                 _fused_fp32_group(a, t + k, _sr_seed(self.seed, t + k, i), *hp, rule)
             if gplan["loop"]:

@@ -395,10 +395,8 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
         model = GPT(preset_config(preset, block_size=T))
     if method != "bf16":
         g.apply_pqt(model, method=method, parts="all", memory=memory)
-    if param_dtype == "bf16":       # as train.py --param_dtype bf16
-        for name, p in model.named_parameters():
-            if not name.endswith("b_i"):
-                p.data = p.data.bfloat16()
+    if param_dtype == "bf16":
+        trainer.params_to_bf16(model)
     args = argparse.Namespace(optim=optim, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
                               weight_decay=0.1, bits_wd=0.0, seed=0, param_rounding="rtn",
                               master_weight_bits=master_weight_bits)

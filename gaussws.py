@@ -1150,11 +1150,16 @@ class GaussWSLinear(nn.Linear):
                           "b_t will not learn: keep b_i float32 (cast the model before apply_pqt, or "
                           "set layer.b_i.data = layer.b_i.data.float())", stacklevel=3)
 
+    def linear_weight(self):
+        """The (out, in) weight that eq. 3 samples (GaussWSConv1D: a view of its (in, out) one)."""
+        return self.weight
+
     def forward(self, x):
+        w = self.linear_weight()
         if not (self.training or self.sample_in_eval):
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, w, self.bias)
         self._check_b_i_dtype()
-        return pqt_linear(x, self.weight, self.b_t, self.bias, self._next_seed(), method=self.method,
+        return pqt_linear(x, w, self.b_t, self.bias, self._next_seed(), method=self.method,
                           memory=self.memory, impl=self.impl, fused=self.fused)
 
     def extra_repr(self):
@@ -1188,21 +1193,11 @@ class GaussWSConv1D(GaussWSLinear):
             if self.bias is not None:
                 self.bias.zero_()
 
-    def forward(self, x):
-        w = self.weight.t()       # the (out, in) view; pqt_linear copies it to a contiguous w
-        if not (self.training or self.sample_in_eval):
-            return F.linear(x, w, self.bias)
-        self._check_b_i_dtype()
-        return pqt_linear(x, w, self.b_t, self.bias, self._next_seed(), method=self.method,
-                          memory=self.memory, impl=self.impl, fused=self.fused)
+    def linear_weight(self):
+        return self.weight.t()    # the (out, in) view; pqt_linear copies it to a contiguous w
 
     def extra_repr(self):
         return super().extra_repr() + ", Conv1D layout (weight is (in, out))"
-
-
-def _linear_weight(layer):
-    """The (out, in) weight of a PQT layer: its weight, or a view of it for GaussWSConv1D."""
-    return layer.weight.t() if isinstance(layer, GaussWSConv1D) else layer.weight
 
 
 # ==============================================================================================
@@ -1470,7 +1465,7 @@ def remove_pqt(model, cast=None):
         cast_to_tiers(model)
     elif fmt is not None:
         for _, layer in layers:
-            w = _linear_weight(layer)
+            w = layer.linear_weight()
             w.copy_(cast_tiles(w, *fmt))
     plain, removed = {}, []
     for pname, parent in list(model.named_modules()):
@@ -1637,7 +1632,7 @@ def cast_to_tiers(model):
     GaussWSLinear layer: there is no share of no parameters)."""
     counts = {name: 0 for _, name, _, _ in FP_TIERS} | {">FP16": 0}
     for _, layer in pqt_layers(model):
-        w = _linear_weight(layer)
+        w = layer.linear_weight()
         m, n = w.shape
         bt = _tile_grid_of(layer.b_t.detach().clamp(B_MIN, B_MAX), m, n)
         out, lo = w.detach().clone(), -math.inf

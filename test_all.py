@@ -3621,6 +3621,17 @@ def test_cosine_and_constant_schedules():
     assert train.get_lr(99, T, 1.0, "constant") == 1.0
 
 
+def _assert_one_line_flag_error(flags, words, capsys):
+    """train.py with --preset nano and flags exits 2 with one 'train.py: error:' line holding words."""
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "nano", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("train.py: error:")
+    for w in words:
+        assert w in err
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--method", "int4"], ["--method", "bf16", "gaussws", "diffq"]),
     (["--optim", "sgd"], ["--optim", "adamw", "zipsr", "zeeden"]),
@@ -3634,13 +3645,7 @@ def test_cosine_and_constant_schedules():
     (["--device", "tpu"], ["--device", "cpu"]),
 ])
 def test_bad_flags_one_line_error(flags, words, capsys):
-    with pytest.raises(SystemExit) as e:
-        train.main(["--preset", "nano", *flags])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("train.py: error:")
-    for w in words:
-        assert w in err
+    _assert_one_line_flag_error(flags, words, capsys)
 
 
 def test_batch_larger_than_data(corpus, tmp_path):
@@ -4388,13 +4393,7 @@ def test_fsdp_bad_flags_one_line_error(flags, env, words, capsys, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(train, "setup_distributed", lambda args: train.Process(False, 0, 1, "cpu"))
-    with pytest.raises(SystemExit) as e:
-        train.main(["--preset", "nano", *flags])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("train.py: error:")
-    for w in words:
-        assert w in err
+    _assert_one_line_flag_error(flags, words, capsys)
 
 
 def _as_fsdp_rank(monkeypatch, world=1):

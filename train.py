@@ -454,16 +454,22 @@ def setup_model(args, proc, batches):
     if args.method != "bf16":
         replaced = gaussws.apply_pqt(model, method=args.method, parts=args.parts, b_init=args.b_init,
                                      b_target=args.b_target, seed=args.seed, memory=args.pqt_memory)
-    if args.param_dtype == "bf16":   # the weights themselves in BF16; PQT bitwidths b_i stay FP32
-        for name, p in model.named_parameters():
-            if not name.endswith("b_i"):
-                p.data = p.data.to(torch.bfloat16)
+    if args.param_dtype == "bf16":
+        params_to_bf16(model)
     if args.tokens_per_param is not None:
         args.max_iters = max(1, math.ceil(args.tokens_per_param * model.num_params() / tokens_per_step(args)))
         if args.stop_after is not None and args.stop_after > args.max_iters:
             raise RunError(f"--stop_after {args.stop_after}: must be <= max_iters {args.max_iters} "
                            f"(from --tokens_per_param {args.tokens_per_param:g})")
     return model, replaced
+
+
+def params_to_bf16(model):
+    """--param_dtype bf16: the weights themselves in BF16, in place; the PQT bitwidths b_i stay
+    FP32 (their small steps would round away in BF16)."""
+    for name, p in model.named_parameters():
+        if not name.endswith("b_i"):
+            p.data = p.data.to(torch.bfloat16)
 
 
 def shard_model(model, world):
@@ -649,9 +655,9 @@ def check_out_dir(args, proc):
         raise RunError(f"--out_dir {args.out_dir}: cannot write there ({e.strerror or e})") from None
 
 
-def ckpt_path(args):
-    """OUT_DIR/ckpt.pt, or under --fsdp the DCP folder OUT_DIR/ckpt."""
-    return os.path.join(args.out_dir, "ckpt" if getattr(args, "fsdp", False) else "ckpt.pt")
+def ckpt_path(args, folder=None):
+    """OUT_DIR/ckpt.pt, or under --fsdp the DCP folder OUT_DIR/ckpt (in `folder` instead of OUT_DIR)."""
+    return os.path.join(folder or args.out_dir, "ckpt" if getattr(args, "fsdp", False) else "ckpt.pt")
 
 
 # what a run may leave in --out_dir: ckpt.pt (plain and DDP runs), the DCP folder ckpt (--fsdp) and
@@ -677,7 +683,7 @@ def resume_path(args):
     folder = args.out_dir if args.resume == "auto" else args.resume
     if args.resume != "auto" and not (os.path.isdir(folder) and checkpoints_in(folder)):
         return args.resume
-    path = os.path.join(folder, "ckpt" if getattr(args, "fsdp", False) else "ckpt.pt")
+    path = ckpt_path(args, folder)
     # a DCP folder is replaced by two renames (save_dcp_checkpoint); a crash between them leaves
     # the previous, complete checkpoint as ckpt.old
     return path + ".old" if not os.path.exists(path) and os.path.isdir(path + ".old") else path
