@@ -445,96 +445,68 @@ def _sr_seed(seed, t, index):
 _FUSED_ADAMW_DEVICES = ("cuda",)   # where _adamw_fp32_steps calls torch's fused AdamW
 
 
+def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", seed=0, u_p=None):
+    """One AdamW step of one FP32-state tensor in plain PyTorch (paper B's 32-bit baseline; the
+    tensors too small to quantize): eq. 2.1a-b with the moments stored as they are, the same
+    float32 operations as adamw4bit_step_torch. The specification adamw_step_triton matches bit
+    for bit given the same SR uniforms; torch.optim.AdamW's to rounding.
+
+    param:  float32, bfloat16 or float16 tensor, updated in place (math in float32, written back
+            by write_param with `rule`, or through the state's "param_correction", eq. MW).
+    grad:   float32, bfloat16 or float16, param's shape.
+    state:  dict with exp_avg, exp_avg_sq (float32, param's shape), updated in place.
+    lr, b1, b2, eps, wd: AdamW's (floats); t: this step's number (>= 1).
+    rule:   the BF16 write, "rtn"|"sr"; seed: seeds the generator of the SR uniforms, or u_p
+            (float32, param's numel) replaces them (kernel tests).
+    """
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    g = grad.float()
+    # eq. 2.1a with FP32 storage
+    m.mul_(b1).add_(g * (1 - b1))
+    v.mul_(b2).add_(g * g * (1 - b2))
+    # eq. 2.1b; eq. 3.1's r_t(v)
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    corr = state.get("param_correction")
+    w = read_param(param, corr) * (1 - lr * wd) - (lr / bc1) * m / _denominator(v, bc2, eps)
+    gen = None
+    if rule == "sr" and param.dtype == torch.bfloat16 and corr is None and u_p is None:
+        gen = torch.Generator(device=param.device).manual_seed(seed)
+    _write_step(param, w, corr, rule, u_p, gen)
+
+
 def _adamw_fp32_steps(items, lr, b1, b2, eps, wd, rule="rtn", seeds=None):
-    """AdamW on FP32 states (paper B's 32-bit baseline; also tensors too small to quantize).
-    items: (param, state, t) triples. CUDA: torch's fused AdamW kernel, one launch per step
-    value (BF16/FP16 parameters: on one FP32 copy of them all, written back by write_param).
-    Elsewhere: the reference loop, in torch.optim.AdamW's single-tensor operation order
-    (matches it to rounding), with the parameter written by write_param (rule: param_rounding;
-    seeds: the SR seed of each item, for rule="sr"); a state's "param_correction" makes the
-    weight eq. MW's master weight."""
-    if not items:
-        return
-    if items[0][0].device.type in _FUSED_ADAMW_DEVICES:
-        by_t = {}
-        for i, (p, st, t) in enumerate(items):
-            by_t.setdefault((t, p.dtype), []).append((p, st, seeds[i] if seeds else 0))
-        for (t, _), its in by_t.items():
-            _fused_fp32_group(_fused_fp32_args(its), t, its[0][2], lr, b1, b2, eps, wd, rule)
-        return
+    """AdamW on FP32 states for (param, state, t) items: FP32 parameters on CUDA through torch's
+    fused AdamW kernel (one launch per step value), the rest through adamw_step_torch (rule:
+    param_rounding; seeds: each item's SR seed). AdamW4bit.step sends 16-bit parameters to the
+    kernel (adamw_step_triton) where it applies."""
+    fused, by_t = items and items[0][0].device.type in _FUSED_ADAMW_DEVICES, {}
     for i, (p, st, t) in enumerate(items):
-        m, v = st["exp_avg"], st["exp_avg_sq"]
-        g = p.grad.float()
-        corr = st.get("param_correction")
-        w = read_param(p, corr)
-        w.mul_(1 - lr * wd)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-        w.addcdiv_(m, denom, value=-lr / bc1)
-        if p.dtype == torch.bfloat16 and (corr is not None or rule == "sr"):
-            gen = torch.Generator(device=p.device).manual_seed(seeds[i] if seeds else 0)
-            _write_step(p, w, corr, rule, None, gen)
+        if fused and p.dtype == torch.float32:
+            by_t.setdefault(t, []).append((p, st))
         else:
-            p.copy_(w)
+            adamw_step_torch(p, p.grad, st, lr, b1, b2, eps, wd, t, rule, seeds[i] if seeds else 0)
+    for t, its in by_t.items():
+        _fused_fp32_group(_fused_fp32_args(its), t, lr, b1, b2, eps, wd)
 
 
 def _fused_fp32_args(its):
-    # the step-independent inputs of _fused_fp32_group for (param, state, seed) triples of one
-    # device, dtype and step: the parameters, their moments shaped like the weights the fused
-    # kernel steps (the parameters themselves in FP32; flat for the 16-bit copy), and for 16-bit
-    # parameters their flat views and param_correction (None unless every state has one)
-    ps = [p for p, _, _ in its]
-    a = dict(ps=ps, flat=ps[0].dtype != torch.float32)
-    if not a["flat"]:
-        a["ms"], a["vs"] = ([st[k].view_as(p) for p, st, _ in its] for k in ("exp_avg", "exp_avg_sq"))
-        return a
-    corr = [st.get("param_correction") for _, st, _ in its]
-    corr = corr if all(c is not None for c in corr) else None
-    # flat views write through to the tensors only when these are contiguous (else per step)
-    views = all(p.is_contiguous() for p in ps) and all(c.is_contiguous() for c in corr or ())
-    a.update(sizes=[p.numel() for p in ps], corr=corr, views=views,
-             pflat=[p.detach().view(-1) for p in ps] if views else None,
-             cflat=[c.view(-1) for c in corr] if views and corr else None)
-    a["ms"], a["vs"] = ([st[k].view(-1) for _, st, _ in its] for k in ("exp_avg", "exp_avg_sq"))
-    return a
+    # the step-independent lists of _fused_fp32_group for (param, state) pairs of FP32 parameters
+    # of one device and step: the parameters and their moments shaped like them
+    # (and whether a gradient needs a cast: a replayed plan keeps the gradients' dtypes)
+    ps = [p for p, _ in its]
+    return dict(ps=ps, ms=[st["exp_avg"].view_as(p) for p, st in its],
+                vs=[st["exp_avg_sq"].view_as(p) for p, st in its],
+                cast=any(p.grad.dtype != torch.float32 for p in ps))
 
 
-def _fused_fp32_group(a, t, seed, lr, b1, b2, eps, wd, rule):
-    # torch's fused AdamW on one _fused_fp32_args group at step t (BF16/FP16 parameters: the small
-    # tensors as one flat FP32 buffer, a few launches rather than a few per tensor; seed: the SR
-    # write's, drawn only for BF16 SR writes without param_correction)
+def _fused_fp32_group(a, t, lr, b1, b2, eps, wd):
+    # torch's fused AdamW on one _fused_fp32_args group at step t
     ps = a["ps"]
     step = torch.full((), float(t), dtype=torch.float32, device=ps[0].device)
-    if not a["flat"]:
-        ws, gs = ps, [p.grad.float() for p in ps]
-    else:
-        sizes, corr = a["sizes"], a["corr"]
-        flat = torch.cat(a["pflat"] if a["views"] else [p.detach().reshape(-1) for p in ps])
-        if corr is not None:
-            flat = join_master(flat, torch.cat(a["cflat"] if a["views"] else [c.reshape(-1) for c in corr]))
-        flat = flat.float()
-        ws = list(flat.split_with_sizes(sizes))
-        gs = list(torch.cat([p.grad.reshape(-1) for p in ps]).float().split_with_sizes(sizes))
-    torch._fused_adamw_(ws, gs, a["ms"], a["vs"], [], [step] * len(ps),
+    grads = [p.grad.float() for p in ps] if a["cast"] else [p.grad for p in ps]
+    torch._fused_adamw_(ps, grads, a["ms"], a["vs"], [], [step] * len(ps),
                         lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                         amsgrad=False, maximize=False)
-    if a["flat"]:
-        flat_p = torch.empty(flat.shape, dtype=ps[0].dtype, device=flat.device)
-        flat_c = torch.empty(flat.shape, dtype=torch.int8, device=flat.device) if corr is not None else None
-        gen = None
-        if rule == "sr" and flat_c is None and ps[0].dtype == torch.bfloat16:   # else unused
-            gen = torch.Generator(device=flat.device).manual_seed(seed)
-        _write_step(flat_p, flat, flat_c, rule, None, gen)
-        if a["views"]:
-            torch._foreach_copy_(a["pflat"], list(flat_p.split_with_sizes(sizes)))
-            if flat_c is not None:
-                torch._foreach_copy_(a["cflat"], list(flat_c.split_with_sizes(sizes)))
-        else:
-            torch._foreach_copy_(ps, [x.view_as(p) for x, p in zip(flat_p.split(sizes), ps)])
-            if flat_c is not None:
-                torch._foreach_copy_(corr, [x.view_as(c) for x, c in zip(flat_c.split(sizes), corr)])
 
 
 # ============================================================================================
@@ -639,6 +611,13 @@ PRESETS = {
 V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
 IMPLS = ("auto", "torch", "triton")
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
+
+
+def _layout_key(params, grads):
+    # what a recorded step plan assumes of each parameter and gradient beyond their addresses
+    return tuple([None if g is None else (p.dtype, p.is_contiguous(), g.dtype,
+                                          g.layout is torch.strided and g.is_contiguous())
+                  for p, g in zip(params, grads)])
 
 
 def _group_hparams(group):
@@ -1009,20 +988,21 @@ class AdamW4bit(torch.optim.Optimizer):
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         params = self._params()
         grads = [p.grad for p in params]
-        key = self._plan_key(interp, params, grads)
+        gptrs = tuple([0 if g is None or g.layout is not torch.strided else g.data_ptr() for g in grads])
+        key = self._plan_key(interp, params)
         plan = self._plan
-        if plan is not None and plan["key"] == key:
-            self._replay(plan, grads)
+        if plan is not None and plan["key"] == key and (
+                gptrs == plan["grads"] or plan["layout"] == _layout_key(params, grads)):
+            self._replay(plan, grads, gptrs)
             return loss
         # the step below also records what a step with the same key repeats (self._plan)
         self._plan = None
-        plan = dict(key=key, states=[], groups=[], k=0, grads=tuple(
-            g.data_ptr() for g in grads if g is not None and g.layout is torch.strided))
+        plan = dict(key=key, layout=_layout_key(params, grads), states=[], groups=[], k=0, grads=gptrs)
         cacheable = key is not None
         index, writeback = 0, []
         for group in self.param_groups:
             hp = _group_hparams(group)
-            fp32, seeds, sidxs, quant = [], [], [], {}
+            fp32, seeds, sidxs, quant, small = [], [], [], {}, {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -1046,9 +1026,13 @@ class AdamW4bit(torch.optim.Optimizer):
                     if p.numel() == 0:   # fewer rows than ranks: nothing here
                         continue
                 if not quantized:
-                    fp32.append((p, st, t))
-                    seeds.append(_sr_seed(self.seed, t, sidx))
-                    sidxs.append(sidx)
+                    if self._use_adamw_kernel(p, interp):   # 16-bit parameters, FP32 states
+                        small.setdefault((t, p.dtype, p.grad.dtype, "param_correction" in st),
+                                         []).append((p, st, sidx))
+                    else:
+                        fp32.append((p, st, t))
+                        seeds.append(_sr_seed(self.seed, t, sidx))
+                        sidxs.append(sidx)
                     continue
                 if self._use_triton(p, interp):
                     quant.setdefault((t, p.dtype, p.grad.dtype, m_rule), []).append((p, st, sidx))
@@ -1056,33 +1040,39 @@ class AdamW4bit(torch.optim.Optimizer):
                     cacheable = False
                     adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule,
                                          _sr_seed(self.seed, t, sidx))
-            _adamw_fp32_steps(fp32, *hp, self.qcfg["param_rounding"], seeds)
-            gplan = dict(group=group, fused=[], loop=[], quant=[])
+            rule = self.qcfg["param_rounding"]
+            _adamw_fp32_steps(fp32, *hp, rule, seeds)
+            gplan = dict(group=group, fused=[], loop=[], launches=[])
             plan["groups"].append(gplan)
-            if fp32 and cacheable and fp32[0][0].device.type in _FUSED_ADAMW_DEVICES:
-                by_t = {}      # _adamw_fp32_steps's groups, each with its first item's seed index
-                for (p, st, t), i in zip(fp32, sidxs):
-                    by_t.setdefault((t, p.dtype), []).append((p, st, i))
-                gplan["fused"] = [(t, its[0][2], _fused_fp32_args(its)) for (t, _), its in by_t.items()]
-            elif fp32:
-                gplan["loop"] = [(p, st, t, i) for (p, st, t), i in zip(fp32, sidxs)]
+            fused, by_t = fp32 and fp32[0][0].device.type in _FUSED_ADAMW_DEVICES, {}
+            for (p, st, t), i in zip(fp32, sidxs):      # what _adamw_fp32_steps did, to repeat
+                if fused and p.dtype == torch.float32:
+                    by_t.setdefault(t, []).append((p, st))
+                else:
+                    gplan["loop"].append((p, st, t, i))
+            gplan["fused"] = [(t, _fused_fp32_args(its)) for t, its in by_t.items()]
             for (t, _, _, m_rule), items in quant.items():
                 launch = _triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache,
                                          own_table=cacheable)
                 _triton_launch(launch, *hp, t, _seed_of_step(self.seed, t))
-                gplan["quant"].append((t, launch, [p for p, _, _ in items]))
+                gplan["launches"].append((t, launch, [p for p, _, _ in items], _triton_launch))
+            for (t, *_), items in small.items():
+                launch = _adamw_prepare(items, rule, self._kernel_cache, own_table=cacheable)
+                _adamw_launch(launch, *hp, t, _seed_of_step(self.seed, t))
+                gplan["launches"].append((t, launch, [p for p, _, _ in items], _adamw_launch))
         for args in writeback:
             _write_back(*args)
         if cacheable:
             self._plan = plan
         return loss
 
-    def _plan_key(self, interp, params, grads):
+    def _plan_key(self, interp, params):
         # What the recorded plan of a step depends on, beyond the hyperparameters and the seed that
-        # _replay reads each step: the parameter set and storage, which tensors have gradients and
-        # their dtypes and layout, the LM head's first-moment rule, and _plan_version (states
-        # created or loaded, groups added, LM head marked). Gradient addresses are not part of it:
-        # _replay repoints the launch tables when they move. None: no plan (FSDP2 parameters).
+        # _replay reads each step, and the gradients (step() compares their addresses, and their
+        # _layout_key when an address moved): the parameter set and storage, the LM head's
+        # first-moment rule, and _plan_version (states created or loaded, groups added, LM head
+        # marked). A parameter's dtype or layout changes only with a new storage (p.data = ...).
+        # None: no plan (FSDP2 parameters).
         ids = tuple(map(id, params))
         plan = self._plan   # the same objects as the plan's: no DTensor (isinstance is slow on tensors)
         if (plan is None or plan["key"][7] != ids) and DTensor is not None and \
@@ -1093,37 +1083,40 @@ class AdamW4bit(torch.optim.Optimizer):
         return (self._plan_version, id(self.state), interp, self.impl,
                 after is not None and self.progress >= after,
                 tuple([g["quantize"] for g in groups]), tuple(map(len, [g["params"] for g in groups])),
-                ids,
-                tuple([None if g is None else (p.data_ptr(), p.dtype, p.is_contiguous(), g.dtype,
-                                               g.layout is torch.strided and g.is_contiguous())
-                       for p, g in zip(params, grads)]))
+                ids, tuple([p.data_ptr() for p in params]))
 
-    def _replay(self, plan, grads):
+    def _replay(self, plan, grads, gptrs):
         # the recorded step, k steps later: the same tensors, groups and launches, each group's
         # step t + k; the hyperparameters (lr, betas, eps, weight_decay), param_rounding and seed
-        # are read now
+        # are read now; gptrs: the gradients' addresses (the launch tables are repointed if moved)
         for st in plan["states"]:
             st["step"] += 1
         plan["k"] = k = plan["k"] + 1
-        gptrs = tuple([g.data_ptr() for g in grads if g is not None])
         moved = gptrs != plan["grads"]
         plan["grads"] = gptrs
         rule = self.qcfg["param_rounding"]
         for gplan in plan["groups"]:
             group = gplan["group"]
             hp = _group_hparams(group)
-            for t, i, a in gplan["fused"]:
-                _fused_fp32_group(a, t + k, _sr_seed(self.seed, t + k, i), *hp, rule)
+            for t, a in gplan["fused"]:
+                _fused_fp32_group(a, t + k, *hp)
             if gplan["loop"]:
                 loop = gplan["loop"]
                 _adamw_fp32_steps([(p, st, t + k) for p, st, t, _ in loop], *hp, rule,
                                   [_sr_seed(self.seed, t + k, i) for _, _, t, i in loop])
-            for t, launch, ps in gplan["quant"]:
+            for t, launch, ps, run in gplan["launches"]:
                 if moved:
                     gs = [p.grad for p in ps]
                     if tuple(g.data_ptr() for g in gs) != launch["grads"]:
                         _triton_regrad(launch, gs)
-                _triton_launch(launch, *hp, t + k, _seed_of_step(self.seed, t + k))
+                run(launch, *hp, t + k, _seed_of_step(self.seed, t + k))
+
+    def _use_adamw_kernel(self, p, interp):
+        # adamw_step_triton for an FP32-state tensor: 16-bit parameters (FP32 ones take torch's
+        # fused AdamW), contiguous, on CUDA (or CPU with TRITON_INTERPRET=1 and impl="triton")
+        return p.dtype in (torch.bfloat16, torch.float16) and p.grad.dtype in KERNEL_DTYPES and \
+            p.is_contiguous() and p.grad.is_contiguous() and self.impl != "torch" and \
+            (p.is_cuda or (interp and self.impl == "triton"))
 
     def _use_triton(self, p, interp):
         if self._kernel_tabs is None:
@@ -1598,11 +1591,11 @@ TAB_CORRECTION = tl.constexpr(12)        # param_correction (int8, eq. MW; 0 wit
 TAB_WIDTH = tl.constexpr(13)
 
 
-def _program_table(numels, block_size, nb, device):
+def _program_table(units, per_program, device):
     """Program -> tensor index as int32 (programs,) on `device`, and each tensor's first program
-    (a list): a tensor of numel n gets cdiv(n / block_size, nb * KERNEL_TILES) programs."""
-    counts = torch.tensor([triton.cdiv(n // block_size, nb * KERNEL_TILES) for n in numels])
-    return (torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts).to(device),
+    (a list): a tensor of `units` blocks (or elements) gets cdiv(units, per_program) programs."""
+    counts = torch.tensor([triton.cdiv(n, per_program) for n in units])
+    return (torch.repeat_interleave(torch.arange(len(units), dtype=torch.int32), counts).to(device),
             (torch.cumsum(counts, 0) - counts).tolist())
 
 
@@ -1667,7 +1660,8 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
     numels = tuple(p.numel() for p, _, _ in items)
     progs = programs.get((dev, B, KERNEL_TILES, numels))
     if progs is None:
-        progs = programs[(dev, B, KERNEL_TILES, numels)] = _program_table(numels, B, nb, dev)
+        progs = programs[(dev, B, KERNEL_TILES, numels)] = _program_table(
+            [n // B for n in numels], nb * KERNEL_TILES, dev)
     ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), *(st[k].data_ptr() for k in (
         "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel(),
         st["param_correction"].data_ptr() if "param_correction" in st else 0)
@@ -1708,7 +1702,7 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
 
 
 def _triton_regrad(launch, grads):
-    """Point a _triton_prepare(own_table=True) launch at new gradient tensors (same dtypes and
+    """Point a _triton_prepare or _adamw_prepare (own_table=True) launch at new gradient tensors (same dtypes and
     sizes, e.g. after zero_grad(set_to_none=True) when the allocator gave other addresses): one
     host-to-device copy of the gradient column, from pinned memory without a host sync."""
     ptrs = tuple(g.data_ptr() for g in grads)
@@ -1718,7 +1712,8 @@ def _triton_regrad(launch, grads):
         col = col.pin_memory()
     tab[:, TAB_GRAD.value].copy_(col, non_blocking=True)
     launch["grads"] = ptrs
-    launch["flags"]["ALIGNED"] = launch["p_aligned"] and all(g % launch["g_align"] == 0 for g in ptrs)
+    if "ALIGNED" in launch["flags"]:
+        launch["flags"]["ALIGNED"] = launch["p_aligned"] and all(g % launch["g_align"] == 0 for g in ptrs)
 
 
 def _triton_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
@@ -1732,3 +1727,113 @@ def _triton_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
         (m_lut.numel() - 1) / 2, (v_lut.numel() - 1) / 2, tabs["m_adjacent"], tabs["v_adjacent"],
         seed_of_step, decay, step_size, b1, 1 - b1, b2, 1 - b2, 1 / math.sqrt(bc2), eps,
         **launch["flags"])
+
+
+# ============================================================================================
+# The FP32-state step in Triton: adamw_step_torch for many 16-bit-parameter tensors in one launch
+#
+# The tensors too small to quantize (and quantize=False groups) keep FP32 moments. With FP32
+# parameters they take torch's fused AdamW; with BF16 / FP16 parameters that kernel cannot write
+# the parameter (its states would be 16-bit too), so this one does: each program steps
+# ADAMW_BLOCK consecutive elements of one tensor, found through the same launch tables as the
+# 4-bit kernel's (TAB_N_BLOCKS holds the element count, the scale columns are unused), and
+# writes the parameter as _step_tile does (RTN, SR or eq. MW).
+
+ADAMW_BLOCK = 1024       # elements per program
+
+
+@triton.jit(do_not_specialize=["seed_of_step"])
+def _adamw_kernel(program_tensor, launch_table,
+                  seed_of_step, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
+                  HAS_U: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
+                  P_SR: tl.constexpr, P_CORR: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    row = launch_table + tl.load(program_tensor + pid) * TAB_WIDTH
+    i = (pid - tl.load(row + TAB_FIRST_PROGRAM)) * BLOCK + tl.arange(0, BLOCK)    # int64
+    mask = i < tl.load(row + TAB_N_BLOCKS)
+    param = tl.load(row + TAB_PARAM).to(tl.pointer_type(tl.bfloat16 if P_KIND == 1 else tl.float16))
+    grad = tl.load(row + TAB_GRAD).to(tl.pointer_type(
+        tl.bfloat16 if G_KIND == 1 else tl.float16 if G_KIND == 2 else tl.float32))
+    exp_avg = tl.load(row + TAB_EXP_AVG).to(tl.pointer_type(tl.float32))
+    exp_avg_sq = tl.load(row + TAB_EXP_AVG_SQ).to(tl.pointer_type(tl.float32))
+    corr = tl.load(row + TAB_CORRECTION).to(tl.pointer_type(tl.int8))
+    w = tl.load(param + i, mask=mask, other=0).to(tl.float32)
+    if P_CORR:       # eq. MW: w = x + e 2^(E-15)
+        w = _join_master(w, tl.load(corr + i, mask=mask, other=0))
+    g = tl.load(grad + i, mask=mask, other=0).to(tl.float32)
+    # eq. 2.1a with FP32 storage
+    m = tl.load(exp_avg + i, mask=mask, other=0.0) * b1 + g * one_minus_b1
+    v = tl.load(exp_avg_sq + i, mask=mask, other=0.0) * b2 + g * g * one_minus_b2
+    tl.store(exp_avg + i, m, mask=mask)
+    tl.store(exp_avg_sq + i, v, mask=mask)
+    # eq. 2.1b; eq. 3.1's r_t(v)
+    w = w * decay - tl.div_rn(step_size * m, tl.sqrt_rn(v) * inv_sqrt_bc2 + eps)
+    if P_KIND == 2:
+        tl.store(param + i, w.to(tl.float16), mask=mask)
+    else:
+        u = 0.0
+        if P_SR:
+            if HAS_U:    # tests: the caller's uniforms
+                u = tl.load(tl.load(row + TAB_U_P).to(tl.pointer_type(tl.float32)) + i, mask=mask, other=0.0)
+            else:        # 16 bits of one Philox call per element: u = (k + 1/2) 2^-16
+                seed = ((seed_of_step + tl.load(row + TAB_SEED_OF_INDEX)) % _SEED_MOD_TL).to(tl.uint32)
+                lo = i.to(tl.uint32)
+                q0, _, _, _ = philox(lo, (i >> 32).to(tl.uint32), lo * 0 + 2, lo * 0, seed, seed * 0, 7)
+                u = tl.fma((q0 >> 16).to(tl.float32), 1.52587890625e-05, 7.62939453125e-06)
+        x = _bf16_bits(w, u, P_SR)
+        if P_CORR:
+            tl.store(corr + i, _split_master(w, x), mask=mask)
+        tl.store(param.to(tl.pointer_type(tl.int16), bitcast=True) + i, (x >> 16).to(tl.int16), mask=mask)
+
+
+def adamw_step_triton(items, lr, b1, b2, eps, wd, t, rule, seed_of_step, cache, u=None):
+    """adamw_step_torch for many tensors in one launch of _adamw_kernel (eq. 2.1a-b with FP32
+    moments), bit for bit given the same SR uniforms.
+
+    items:  (param, state, index) triples of one device, parameter dtype (bfloat16 or float16,
+            contiguous), gradient dtype (float32, bfloat16 or float16, contiguous) and step t;
+            state as in adamw_step_torch (all with or all without a param_correction); index the
+            parameter's position from 1 (its SR seed is _sr_seed(seed, t, index)).
+    rule:   the BF16 write, "rtn"|"sr"; seed_of_step: _seed_of_step(seed, t).
+    cache:  a dict kept per optimizer (program and launch tables of each set of tensors).
+    u:      optional list of float32 uniform tensors u_p per item (the SR write's), replacing the
+            kernel's Philox bits (tests).
+    """
+    _adamw_launch(_adamw_prepare(items, rule, cache, u), lr, b1, b2, eps, wd, t, seed_of_step)
+
+
+def _adamw_prepare(items, rule, cache, u=None, own_table=False):
+    """Everything of adamw_step_triton's launch that does not change between steps (a dict for
+    _adamw_launch; own_table: as in _triton_prepare)."""
+    dev = items[0][0].device
+    programs, launches = (cache.setdefault(k, {}) for k in ("programs", "launch"))
+    numels = tuple(p.numel() for p, _, _ in items)
+    progs = programs.get((dev, "adamw", numels))
+    if progs is None:
+        progs = programs[(dev, "adamw", numels)] = _program_table(numels, ADAMW_BLOCK, dev)
+    ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), st["exp_avg"].data_ptr(), 0, st["exp_avg_sq"].data_ptr(),
+                  0, i, p.numel(), st["param_correction"].data_ptr() if "param_correction" in st else 0)
+                 + ((0, 0, u[j].data_ptr()) if u is not None else ())
+                 for j, (p, st, i) in enumerate(items))
+    key = ("adamw", ptrs)
+    tab = launches.get(key)
+    if tab is None:
+        if len(launches) > 64:
+            launches.clear()
+        tab = launches[key] = _launch_table(ptrs, progs[1], 1, dev)
+    if own_table:
+        tab = tab.clone()
+    p0 = items[0][0]
+    bf16, p_corr = p0.dtype == torch.bfloat16, "param_correction" in items[0][1]
+    extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
+    return dict(grid=(progs[0].numel(),), progs=progs[0], tab=tab, grads=tuple(r[1] for r in ptrs),
+                flags=dict(HAS_U=u is not None, P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
+                           P_SR=bf16 and not p_corr and rule == "sr", P_CORR=bf16 and p_corr,
+                           BLOCK=ADAMW_BLOCK, num_warps=4, **extra))
+
+
+def _adamw_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
+    """Launch _adamw_kernel for an _adamw_prepare plan with step t's scalars."""
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    _adamw_kernel[launch["grid"]](launch["progs"], launch["tab"], seed_of_step, 1 - lr * wd, lr / bc1,
+                                  b1, 1 - b1, b2, 1 - b2, 1 / math.sqrt(bc2), eps, **launch["flags"])

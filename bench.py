@@ -251,17 +251,18 @@ def bench_optim(quick=False):
 def bench_host(rep=200):
     """The step's Python work per call on CPU, no GPU needed (a proxy for "host ms" above): AdamW4bit
     on GPT-2-124M shapes with TRITON_INTERPRET=1 and impl="triton" takes the kernel path for CPU
-    tensors; the kernel launch and torch's fused AdamW are replaced by no-ops, and the FP32-state
-    tensors take the CUDA branch of _adamw_fp32_steps (one fused call on a flat copy), so what is
-    timed is the bookkeeping that the GPU step's host time is made of besides the launches."""
+    tensors; the kernel launches and torch's fused AdamW are replaced by no-ops, and the FP32-state
+    tensors take the CUDA branch of _adamw_fp32_steps (FP32 parameters: one fused call; 16-bit
+    ones: one _adamw_kernel launch), so what is timed is the bookkeeping that the GPU step's host
+    time is made of besides the launches."""
     os.environ["TRITON_INTERPRET"] = "1"
-    kernel, fused, devices = A._adamw4bit_kernel, torch._fused_adamw_, A._FUSED_ADAMW_DEVICES
+    kernels, fused, devices = (A._adamw4bit_kernel, A._adamw_kernel), torch._fused_adamw_, A._FUSED_ADAMW_DEVICES
 
     class NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **kw: None
 
-    A._adamw4bit_kernel, torch._fused_adamw_ = NoLaunch(), lambda *args, **kw: None
+    A._adamw4bit_kernel, A._adamw_kernel, torch._fused_adamw_ = NoLaunch(), NoLaunch(), lambda *args, **kw: None
     A._FUSED_ADAMW_DEVICES = devices + ("cpu",)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)     # the small tensors' CPU arithmetic without thread-pool wake-ups
@@ -287,7 +288,7 @@ def bench_host(rep=200):
             rows.append(dict(case=case, host_ms=statistics.median(times)))
             print(f"{case:28s} {rows[-1]['host_ms']:8.3f} ms per step() (median of {rep}, CPU proxy)")
     finally:
-        A._adamw4bit_kernel, torch._fused_adamw_, A._FUSED_ADAMW_DEVICES = kernel, fused, devices
+        (A._adamw4bit_kernel, A._adamw_kernel), torch._fused_adamw_, A._FUSED_ADAMW_DEVICES = kernels, fused, devices
         torch.set_num_threads(threads)
     return dict(rows=rows)
 
