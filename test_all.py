@@ -1582,8 +1582,8 @@ def test_gpu_16bit_params_bit_identical_to_reference():
             a.grad, b.grad = gr.clone(), gr.cuda()
         o_c.step()
         o_g.step()
-    for a, b in zip(cpu, gpu):
-        assert ((a - b.cpu()).abs() <= 2.0 ** (torch.frexp(a)[1] - 16)).all()
+    for a, b in zip(cpu, gpu):   # one rounding of the lr 1e-2 update's size, or 1e-5 relative
+        assert torch.allclose(a, b.cpu(), rtol=1e-5, atol=1e-8)
     p = torch.nn.Parameter(torch.randn(1 << 20, device="cuda").bfloat16())
     q = torch.nn.Parameter(p.detach().clone())
     o_sr = A.AdamW4bit([p], lr=1e-3, preset="torchao", param_rounding="sr")
