@@ -421,7 +421,8 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
 
 def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gaussws", "diffq"),
                 steps=20, T=2048, device="cuda", compile=False, on_row=None):
-    """Paper A Table 1: median step time -> tokens/s and peak memory per (model, optimizer,
+    """Paper A Table 1: step time (on CUDA: `steps` steps queued back to back, as train.py runs
+    them; on CPU the median step) -> tokens/s and peak memory per (model, optimizer,
     method), overhead vs BF16 and its geometric mean over models (paper: 3.14 % GaussWS,
     22.34 % DiffQ with AdamW on an A100). Eager by default: compiling 24 models of up to 4B
     parameters takes longer than measuring them; train.py's compiled throughput is measured with
@@ -438,20 +439,15 @@ def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gauss
                     torch.cuda.reset_peak_memory_stats()
                 for _ in range(3):                           # compile and warm up
                     step()
-                times = []
-                for _ in range(steps):
-                    if device.type == "cuda":
-                        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        t0.record()
-                        step()
-                        t1.record()
-                        t1.synchronize()
-                        times.append(t0.elapsed_time(t1))
-                    else:
+                if device.type == "cuda":
+                    ms = _queued_steps_ms(step, steps)
+                else:
+                    times = []
+                    for _ in range(steps):
                         t = datetime.datetime.now()
                         step()
                         times.append((datetime.datetime.now() - t).total_seconds() * 1e3)
-                ms = sorted(times)[len(times) // 2]
+                    ms = sorted(times)[len(times) // 2]
                 tps = batch * T / (ms * 1e-3)
                 base = tps if method == "bf16" else base
                 peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else float("nan")
@@ -517,6 +513,20 @@ TRAIN_VARIANTS = {"bf16": lambda model: None,
                   "torch eq.3": torch_eq3_pqt}
 
 
+def _queued_steps_ms(step, n):
+    """ms per step of n steps queued back to back, one wait at the end: how train.py runs (it reads
+    a step's loss and grad norm only after the next step is queued), so the host prepares step k + 1
+    while the GPU runs step k, and host time costs only where the host falls behind the GPU."""
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(n):
+        step()
+    t1.record()
+    t1.synchronize()
+    return t0.elapsed_time(t1) / n
+
+
 def _gpu_profile(step, n=3):
     """torch.profiler over n steps: (GPU ms per step = summed kernel/memcpy/memset time, GPU
     operations per step)."""
@@ -535,10 +545,12 @@ def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps
     """GaussWS at the training level: GPT-2-124M, batch 16 × 1024, BF16 autocast, torch.compile
     (each mode of `modes`), fused AdamW, gradient clipping, one micro-step per optimizer step;
     every variant (model surgery of `variants`, "bf16" = none) is built and compiled once, then
-    timed in `pairs` interleaved rounds (median of `steps` CUDA-event-timed steps each) in this
-    one process, so the ratios to bf16 are not moved by the machine between runs. Per variant
-    also: host ms per step (the step() call without waiting for the GPU; near the step time =
-    host-bound), and from torch.profiler the GPU time and GPU operations per step."""
+    timed in `pairs` interleaved rounds in this one process, so the ratios to bf16 are not moved
+    by the machine between runs. Step time: `steps` steps queued back to back (`_queued_steps_ms`,
+    as train.py runs); "synced": the median of `steps` steps each waited for, where the GPU idles
+    while the host starts the next step. Per variant also: host ms per step (the step() call
+    started with the GPU idle, without waiting for it), and from torch.profiler the GPU time and
+    GPU operations per step."""
     import train as trainer
     from model import GPT, preset_config
     device = torch.device("cuda")
@@ -569,12 +581,13 @@ def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps
             for _ in range(3):                                   # compile, record, warm up
                 step()
             torch.cuda.synchronize()
-            runs[(mode, name)] = dict(step=step, model=model, ms=[], host=[])
+            runs[(mode, name)] = dict(step=step, model=model, ms=[], synced=[], host=[])
             print(f"  built {name} ({mode})", flush=True)
     for _ in range(pairs):
         for key, r in runs.items():
+            r["ms"].append(_queued_steps_ms(r["step"], steps))
             times, host = [], []
-            for _ in range(steps):
+            for _ in range(steps):      # one step at a time: the host's time is exposed
                 t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 t0.record()
                 h = time.perf_counter()
@@ -583,30 +596,33 @@ def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps
                 t1.record()
                 t1.synchronize()
                 times.append(t0.elapsed_time(t1))
-            r["ms"].append(statistics.median(times))
+            r["synced"].append(statistics.median(times))
             r["host"].append(statistics.median(host))
     rows = []
     for (mode, name), r in runs.items():
         gpu_ms, ops = _gpu_profile(r["step"])
-        base = runs[(mode, "bf16")]["ms"]
-        ov = [100 * (a / b - 1) for a, b in zip(r["ms"], base)]
+        base = runs[(mode, "bf16")]
+        ov = [100 * (a / b - 1) for a, b in zip(r["ms"], base["ms"])]
+        ov_synced = [100 * (a / b - 1) for a, b in zip(r["synced"], base["synced"])]
         rows.append(dict(model=preset, params=r["model"].num_params(), batch=batch, T=T, optim="adamw",
                          method=name, mode=mode, compiled=True, step_ms_pairs=r["ms"],
                          step_ms=statistics.median(r["ms"]), tokens_per_s=batch * T / statistics.median(r["ms"]) * 1e3,
                          tokens_per_s_pairs=[batch * T / m * 1e3 for m in r["ms"]],
                          overhead_pct=statistics.mean(ov), overhead_pct_pairs=ov,
+                         synced_step_ms_pairs=r["synced"], synced_overhead_pct_pairs=ov_synced,
                          host_ms_per_step=statistics.median(r["host"]), gpu_ms_per_step=gpu_ms,
                          gpu_ops_per_step=ops,
                          command=f"python bench.py --only train  # {preset} {name} mode={mode}"))
     print(f"\n{preset}, batch {batch} x {T}, BF16 autocast, compiled, fused AdamW, 1 micro-step/step; "
-          f"{pairs} interleaved rounds x median of {steps} steps")
+          f"{pairs} interleaved rounds of {steps} steps queued back to back (then {steps} synced steps, median)")
     print(f"{'variant':22s} {'mode':16s} {'tokens/s per round':>26s} {'step time vs bf16':>18s} "
-          f"{'host ms':>8s} {'GPU ms':>8s} {'GPU ops':>8s}")
+          f"{'synced step vs bf16':>20s} {'host ms':>8s} {'GPU ms':>8s} {'GPU ops':>8s}")
     for r in rows:
         tps = " / ".join(f"{t:,.0f}" for t in r["tokens_per_s_pairs"])
         ovs = " / ".join(f"{o:+.2f}" for o in r["overhead_pct_pairs"])
-        print(f"{r['method']:22s} {r['mode']:16s} {tps:>26s} {ovs + ' %':>18s} {r['host_ms_per_step']:8.2f} "
-              f"{r['gpu_ms_per_step']:8.2f} {r['gpu_ops_per_step']:8.0f}")
+        ovs_synced = " / ".join(f"{o:+.2f}" for o in r["synced_overhead_pct_pairs"])
+        print(f"{r['method']:22s} {r['mode']:16s} {tps:>26s} {ovs + ' %':>18s} {ovs_synced + ' %':>20s} "
+              f"{r['host_ms_per_step']:8.2f} {r['gpu_ms_per_step']:8.2f} {r['gpu_ops_per_step']:8.0f}")
     for r in runs.values():
         del r["step"], r["model"]
     torch.cuda.empty_cache()

@@ -3192,6 +3192,38 @@ def test_gpu_cuda_graph_capture_advances_the_counter():
     assert layer.noise_state[1].item() == 3
 
 
+@needs_compiled
+@needs_cuda
+def test_gpu_layer_alone_under_reduce_overhead_trains():
+    """One GaussWSLinear under torch.compile(mode="reduce-overhead") (CUDA graph trees), every
+    gradient set to None before each step as an optimizer loop does: warm-up, recorded and replayed
+    steps each equal an eager call with the same counter (compiled: ~1e-7 rounding apart), and the
+    counter advances once per step. With only b_i.grad reset, the second step fails for a plain
+    nn.Linear too (torch issue 169545): weight.grad is then the previous step's graph output, which
+    the next run overwrites before backward accumulates into it."""
+    dev = "cuda"
+    torch.manual_seed(34)
+    x = torch.randn(16, 64, device=dev)
+    eager = g.GaussWSLinear(64, 96, seed=6).to(dev)
+    layer = g.GaussWSLinear(64, 96, seed=6).to(dev)
+    layer.load_state_dict(eager.state_dict())
+    comp = torch.compile(lambda x: layer(x).square().sum(), mode="reduce-overhead")
+    losses = []
+    for k in range(4):
+        eager.zero_grad(set_to_none=True)
+        want = eager(x).square().sum()
+        want.backward()
+        layer.zero_grad(set_to_none=True)
+        torch.compiler.cudagraph_mark_step_begin()
+        loss = comp(x)
+        loss.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+        _assert_same_grads(eager, layer, rtol=1e-4, atol=1e-5)
+        assert layer.noise_state[1].item() == k + 1
+        losses.append(loss.item())
+    assert len(set(losses)) == len(losses)        # a new w_hat at every step
+
+
 # ---------------------------------------------------------------------------------------------
 # GaussWSLinear inside fully_shard units (FSDP2), run by fsdp_runs on 2 gloo processes
 
