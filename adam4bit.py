@@ -1702,9 +1702,9 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
 
 
 def _triton_regrad(launch, grads):
-    """Point a _triton_prepare or _adamw_prepare (own_table=True) launch at new gradient tensors (same dtypes and
-    sizes, e.g. after zero_grad(set_to_none=True) when the allocator gave other addresses): one
-    host-to-device copy of the gradient column, from pinned memory without a host sync."""
+    """Point a _triton_prepare or _adamw_prepare (own_table=True) launch at new gradient tensors
+    (same dtypes and sizes, e.g. after zero_grad(set_to_none=True) when the allocator gave other
+    addresses): one host-to-device copy of the gradient column, from pinned memory, no host sync."""
     ptrs = tuple(g.data_ptr() for g in grads)
     col = torch.tensor(ptrs, dtype=torch.int64)
     tab = launch["tab"]
