@@ -491,10 +491,11 @@ def fsdp_micro_step(model, last, world):
     """Before each micro-step's forward under FSDP2: reduce-scatter gradients only on the last
     one. With one rank also keep the parameters unsharded until then: a shard is the whole
     tensor there, so resharding after a backward saves no memory and the next forward would
-    gather (copy) every parameter again; with more ranks each unit reshards (FSDP2's memory)."""
-    model.set_requires_gradient_sync(last)
+    gather (copy) every parameter again; with more ranks each unit reshards (FSDP2's memory).
+    With one rank the root is the only unit (shard_model): no walk over the modules (~0.4 ms)."""
+    model.set_requires_gradient_sync(last, recurse=world > 1)
     if world == 1:
-        model.set_reshard_after_backward(last)
+        model.set_reshard_after_backward(last, recurse=False)
 
 
 @torch.no_grad()
