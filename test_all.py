@@ -4417,6 +4417,23 @@ def test_train_fsdp_resumes_on_another_world_size_and_matches_one_process(corpus
     assert abs(summary["final_val_loss"] - plain["final_val_loss"]) < 1e-4
 
 
+def test_train_fsdp_one_rank_equals_plain_bit_for_bit(corpus, tmp_path):
+    """--fsdp on one rank (parameters kept unsharded between the micro-steps, AdamW4bit's
+    recorded plan replayed on the local tensors: FP32 states, so the CPU replays too) gives one
+    plain process's step losses, grad norms and final weights bit for bit (GaussWS, --grad_accum 2)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    args = ["--max_iters", "4", "--eval_interval", "100", "--grad_accum", "2", "--method", "gaussws",
+            "--optim", "fp32"]
+    _launch("_fsdp_train_py", tmp_path, 1, base_args(corpus, tmp_path / "f", *args, "--fsdp"))
+    train.main(base_args(corpus, tmp_path / "p", *args))
+    steps = lambda d: [(r["loss"], r["grad_norm"]) for r in read_log(d) if r["type"] == "step"]  # noqa: E731
+    assert len(steps(tmp_path / "f")) == 4 and steps(tmp_path / "f") == steps(tmp_path / "p")
+    dcp_to_torch_save(str(tmp_path / "f" / "ckpt"), str(tmp_path / "f.pt"))
+    sharded = torch.load(tmp_path / "f.pt", weights_only=False)["model"]
+    plain = torch.load(tmp_path / "p" / "ckpt.pt", weights_only=True)["model"]
+    assert sorted(sharded) == sorted(plain) and all(torch.equal(sharded[k], plain[k]) for k in plain)
+
+
 def test_fsdp_checkpoint_folder_fallback_and_refusals(tmp_path):
     """A crash between save_dcp_checkpoint's two renames leaves ckpt.old and ckpt.tmp: --resume
     takes ckpt.old (complete), never ckpt.tmp; a folder without train.json is refused in one
