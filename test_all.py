@@ -1308,6 +1308,58 @@ def test_fsdp_dcp_checkpoint_loads_on_one_and_two_ranks(fsdp_runs, preset):
             assert torch.equal(a, b), (preset, tuple(a.shape))
 
 
+# the recorded step plan on DTensor parameters: row shards (the kernel), an FP32-state vector
+# (the reference loop on CPU) and a 1-D tensor (the kernel; gathered on 2 ranks, so there only 1)
+_REPLAY_SHAPES = [(32, 128), (33,), (4096,)]
+
+
+def _fsdp_replay(rank, world, tmp):
+    # 3 ZIP-SR steps of the fused kernel (interpreter), once with the recorded plan and once with
+    # every step on the full path (the plan voided before each); the last step's gradients are kept
+    # alive, so each step's gradients lie elsewhere and the replay must repoint the launch table
+    shapes = _REPLAY_SHAPES if world == 1 else _REPLAY_SHAPES[:2]
+    res = {}
+    for replay in (True, False):
+        model, opt = _fsdp_quadratic("zipsr", impl="triton", shapes=shapes)
+        held, ptrs = None, []
+        for s in range(3):
+            if not replay:
+                opt._plan_version += 1
+            g = torch.Generator().manual_seed(1000 + s)
+            model([torch.randn(x.shape, generator=g) for x in model.ps]).backward()
+            ptrs.append([p.grad.to_local().data_ptr() for p in model.parameters()])
+            opt.step()
+            held = [p.grad for p in model.parameters()]
+            opt.zero_grad()
+        res[replay] = dict(params=_full(model), replays=opt._plan["k"] if opt._plan else None, ptrs=ptrs,
+                           states=[{k: v.to_local().clone() for k, v in opt.state[p].items() if k != "step"}
+                                   for p in model.parameters()],
+                           grads_left=[lp.grad for _, lp in opt._local_views.values()])
+    del held
+    return res
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp_replayed_step_equals_full_step(tmp_path, world):
+    """On DTensor parameters step() records its plan at the second step and replays it from the
+    third (the local tensors are the same objects every step), with each step's gradients at new
+    addresses: 3 ZIP-SR kernel steps equal 3 steps on the full path bit for bit, parameters and
+    packed states, on 1 rank (the 1-D tensor stepped on its one shard, no all-gather) and on 2
+    (row shards; the 1-D tensor, gathered there, would void the plan and is left out). After a
+    step the optimizer holds no reference to FSDP2's gradients."""
+    runs = _launch("_fsdp_replay", tmp_path, world)
+    for res in runs:
+        assert res[True]["replays"] == 1 and res[False]["replays"] == 0
+        ptrs = res[True]["ptrs"]
+        assert all(a != b for s in range(2) for a, b in zip(ptrs[s], ptrs[s + 1]))
+        for a, b in zip(res[True]["params"], res[False]["params"]):
+            assert torch.equal(a, b), tuple(a.shape)
+        for a, b in zip(res[True]["states"], res[False]["states"]):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert len(res[True]["grads_left"]) == len(res[True]["params"])
+        assert all(g is None for g in res[True]["grads_left"])
+
+
 # ---------------------------------------------------------------------------------------------
 # BF16 / FP16 parameters: the write (RTN, SR, eq. MW's 24-bit master weight), kernel = reference
 
@@ -4432,6 +4484,23 @@ def test_train_fsdp_resumes_on_another_world_size_and_matches_one_process(corpus
     assert len(steps(tmp_path / "f")) == 6
     assert np.allclose(steps(tmp_path / "f"), steps(tmp_path / "p"), rtol=0, atol=1e-4)
     assert abs(summary["final_val_loss"] - plain["final_val_loss"]) < 1e-4
+
+
+def test_train_fsdp_one_rank_equals_plain_bit_for_bit(corpus, tmp_path):
+    """--fsdp on one rank (parameters kept unsharded between the micro-steps, AdamW4bit's
+    recorded plan replayed on the local tensors: FP32 states, so the CPU replays too) gives one
+    plain process's step losses, grad norms and final weights bit for bit (GaussWS, --grad_accum 2)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    args = ["--max_iters", "4", "--eval_interval", "100", "--grad_accum", "2", "--method", "gaussws",
+            "--optim", "fp32"]
+    _launch("_fsdp_train_py", tmp_path, 1, base_args(corpus, tmp_path / "f", *args, "--fsdp"))
+    train.main(base_args(corpus, tmp_path / "p", *args))
+    steps = lambda d: [(r["loss"], r["grad_norm"]) for r in read_log(d) if r["type"] == "step"]  # noqa: E731
+    assert len(steps(tmp_path / "f")) == 4 and steps(tmp_path / "f") == steps(tmp_path / "p")
+    dcp_to_torch_save(str(tmp_path / "f" / "ckpt"), str(tmp_path / "f.pt"))
+    sharded = torch.load(tmp_path / "f.pt", weights_only=False)["model"]
+    plain = torch.load(tmp_path / "p" / "ckpt.pt", weights_only=True)["model"]
+    assert sorted(sharded) == sorted(plain) and all(torch.equal(sharded[k], plain[k]) for k in plain)
 
 
 def test_fsdp_checkpoint_folder_fallback_and_refusals(tmp_path):

@@ -487,6 +487,17 @@ def shard_model(model, world):
     fully_shard(model)
 
 
+def fsdp_micro_step(model, last, world):
+    """Before each micro-step's forward under FSDP2: reduce-scatter gradients only on the last
+    one. With one rank also keep the parameters unsharded until then: a shard is the whole
+    tensor there, so resharding after a backward saves no memory and the next forward would
+    gather (copy) every parameter again; with more ranks each unit reshards (FSDP2's memory).
+    With one rank the root is the only unit (shard_model): no walk over the modules (~0.4 ms)."""
+    model.set_requires_gradient_sync(last, recurse=world > 1)
+    if world == 1:
+        model.set_reshard_after_backward(last, recurse=False)
+
+
 @torch.no_grad()
 def clip_grad_norm_local(params, max_norm, world):
     """torch.nn.utils.clip_grad_norm_ for FSDP2 (DTensor) gradients, with the plain path's own
@@ -899,8 +910,8 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
                 if proc.device_type == "cuda":
                     x = x.pin_memory().to(proc.device, non_blocking=True)
                     y = y.pin_memory().to(proc.device, non_blocking=True)
-                if args.fsdp:  # reduce-scatter gradients only on the last micro-step
-                    raw_model.set_requires_gradient_sync(micro == accum - 1)
+                if args.fsdp:
+                    fsdp_micro_step(raw_model, micro == accum - 1, proc.world)
                 elif proc.ddp:  # all-reduce gradients only on the last micro-step (set before forward)
                     model.require_backward_grad_sync = micro == accum - 1
                 if graphs:
