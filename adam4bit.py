@@ -436,6 +436,25 @@ def _seed_of_index(index):
     return index * 257 % _SEED_MOD
 
 
+_BIAS_ROWS_MAX = 1 << 22
+
+
+def _bias_table(b1, b2, wd):
+    """The capturable step's table (float64 (rows, 2), CPU): row 0 = (wd, 0); row t = (bc1,
+    1/sqrt(bc2)) of eq. 2.1b, bc = 1 - b^t, computed as the host step computes them; the last
+    row is (1, 1), where both have become exactly 1 in float64 and stay so (the kernel reads row
+    min(t, rows - 1)). Raises ValueError if betas this close to 1 need more than 2^22 rows."""
+    rows, t = [(float(wd), 0.0)], 1
+    while True:
+        rows.append((1 - b1 ** t, 1 / math.sqrt(1 - b2 ** t)))
+        if rows[-1] == (1.0, 1.0):
+            return torch.tensor(rows, dtype=torch.float64)
+        t += 1
+        if t >= _BIAS_ROWS_MAX:
+            raise ValueError(f"capturable=True: betas {(b1, b2)} are too close to 1 for its bias-correction "
+                             f"table (1 - beta^t reaches 1 after more than {_BIAS_ROWS_MAX} steps)")
+
+
 def _sr_seed(seed, t, index):
     # Independent SR bits per (seed, step, parameter); 31 bits so both torch and Triton take
     # it. The kernel adds the two terms itself (its launch table is then the same each step).
@@ -489,22 +508,27 @@ def _adamw_fp32_steps(items, lr, b1, b2, eps, wd, rule="rtn", seeds=None):
         _fused_fp32_group(_fused_fp32_args(its), t, lr, b1, b2, eps, wd)
 
 
-def _fused_fp32_args(its):
+def _fused_fp32_args(its, lr=None):
     # the step-independent lists of _fused_fp32_group for (param, state) pairs of FP32 parameters
     # of one device and step: the parameters and their moments shaped like them
-    # (and whether a gradient needs a cast: a replayed plan keeps the gradients' dtypes)
+    # (and whether a gradient needs a cast: a replayed plan keeps the gradients' dtypes);
+    # capturable (lr: the device lr tensor): the states' device step counters and lr
     ps = [p for p, _ in its]
     return dict(ps=ps, ms=[st["exp_avg"].view_as(p) for p, st in its],
                 vs=[st["exp_avg_sq"].view_as(p) for p, st in its],
-                cast=any(p.grad.dtype != torch.float32 for p in ps))
+                cast=any(p.grad.dtype != torch.float32 for p in ps),
+                lr=lr, steps=[st["step"] for _, st in its] if lr is not None else None)
 
 
 def _fused_fp32_group(a, t, lr, b1, b2, eps, wd):
     # torch's fused AdamW on one _fused_fp32_args group at step t
     ps = a["ps"]
-    step = torch.full((), float(t), dtype=torch.float32, device=ps[0].device)
+    if a["lr"] is not None:        # capturable: t and lr from device memory
+        steps, lr = a["steps"], a["lr"].float()
+    else:
+        steps = [torch.full((), float(t), dtype=torch.float32, device=ps[0].device)] * len(ps)
     grads = [p.grad.float() for p in ps] if a["cast"] else [p.grad for p in ps]
-    torch._fused_adamw_(ps, grads, a["ms"], a["vs"], [], [step] * len(ps),
+    torch._fused_adamw_(ps, grads, a["ms"], a["vs"], [], steps,
                         lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps,
                         amsgrad=False, maximize=False)
 
@@ -778,8 +802,11 @@ class AdamW4bit(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
                  preset="zipsr", block_size=128, impl="auto", seed=0, *, m_codebook=None,
                  m_rounding=None, v_codebook=None, v_rounding=None, eden=None,
-                 lm_head_sr_after="preset", param_rounding="rtn", master_weight_bits=None):
+                 lm_head_sr_after="preset", param_rounding="rtn", master_weight_bits=None,
+                 capturable=False):
         _check_hparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "")
+        if not isinstance(capturable, bool):
+            raise TypeError(f"capturable must be a bool, got {capturable!r}")
         if not isinstance(param_rounding, str) or param_rounding not in PARAM_ROUNDINGS:
             raise ValueError(f"param_rounding must be one of {PARAM_ROUNDINGS}, got {param_rounding!r}")
         if master_weight_bits not in MASTER_WEIGHT_BITS or not isinstance(master_weight_bits, (int, type(None))) \
@@ -814,6 +841,8 @@ class AdamW4bit(torch.optim.Optimizer):
         self._plan, self._plan_version = None, 0   # step()'s recorded plan and what voids it
         self._shard_layouts = {}   # id(DTensor parameter) -> _shard_layout
         self._local_views = {}     # id(DTensor parameter) -> (its local tensor, the step's alias)
+        self.capturable = capturable
+        self._device_bufs = {}     # capturable: lr buffers per group, _bias_table per (betas, wd)
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
@@ -822,7 +851,8 @@ class AdamW4bit(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         """torch's add_param_group, then checks the group's hyperparameters (every group, also
-        those given to the constructor) and that its parameters are real floating tensors."""
+        those given to the constructor) and that its parameters are float32, bfloat16 or float16
+        (the step's math is float32: float64 would silently lose precision)."""
         super().add_param_group(param_group)
         self._plan_version += 1
         group = self.param_groups[-1]
@@ -831,8 +861,8 @@ class AdamW4bit(torch.optim.Optimizer):
             raise TypeError(f"param group {len(self.param_groups) - 1}: quantize must be True (4-bit "
                             f"states where eligible) or False (FP32 states), got {group['quantize']!r}")
         for p in group["params"]:
-            if not p.is_floating_point():
-                raise TypeError(f"AdamW4bit needs real floating-point parameters, got {p.dtype} "
+            if p.dtype not in KERNEL_DTYPES:
+                raise TypeError(f"AdamW4bit needs float32, bfloat16 or float16 parameters, got {p.dtype} "
                                 f"of shape {tuple(p.shape)}")
             if p.dtype == torch.float16 and (self.qcfg["param_rounding"] == "sr"
                                              or self.qcfg["master_weight_bits"]):
@@ -889,7 +919,12 @@ class AdamW4bit(torch.optim.Optimizer):
 
     def _init_state(self, p, group=None):
         st = self.state[p]
-        st["step"] = 0.0        # a Python number: no tensor op per parameter and step
+        if self.capturable and _is_dtensor(p):
+            raise ValueError("capturable=True does not support FSDP2 (DTensor) parameters; use "
+                             "capturable=False with fully_shard")
+        # a Python number: no tensor op per parameter and step; capturable: a float32 tensor on
+        # p's device, advanced by the step itself (one _foreach_add_ for all)
+        st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if self.capturable else 0.0
         q = self.is_quantized(p, group)
         if q and _is_dtensor(p):   # FSDP2: see _local_step_view
             B, rows = self.qcfg["block_size"], p.shape[0]
@@ -915,6 +950,22 @@ class AdamW4bit(torch.optim.Optimizer):
             # eq. MW with e = 0: the master weight starts as the BF16 weight
             st["param_correction"] = torch.zeros_like(p, dtype=torch.int8)
         return st
+
+    def _fit_state(self, p, st):
+        # a state as the step's code paths expect it after the parameter changed dtype (model.to)
+        # or the state was loaded: a BF16 weight's eq. MW correction folded into a parameter cast
+        # to another dtype (the 24-bit master weight becomes its value), a zero one added where
+        # master_weight_bits=24 meets a new BF16 parameter, and contiguous tensors (the kernels
+        # index them flat)
+        corr = st.get("param_correction")
+        if corr is not None and p.dtype != torch.bfloat16:
+            write_param(p.data, join_master(p.detach().bfloat16(), corr.view_as(p)))
+            del st["param_correction"]
+        elif corr is None and p.dtype == torch.bfloat16 and self.qcfg["master_weight_bits"]:
+            st["param_correction"] = torch.zeros_like(p, dtype=torch.int8, memory_format=torch.contiguous_format)
+        for k, v in st.items():
+            if torch.is_tensor(v) and not v.is_contiguous():
+                st[k] = v.contiguous()
 
     def state_nbytes(self):
         """Persistent optimizer-state bytes: codes, scales, FP32 moments and param_correction
@@ -1018,25 +1069,31 @@ class AdamW4bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        capturing = self.capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         params = self._params()
         grads = [p.grad for p in params]
         views = self._local_views
         if views:   # FSDP2: the plan runs on the local tensors
             params, grads = _local_params(params, grads, views)
         gptrs = tuple([0 if g is None or g.layout is not torch.strided else g.data_ptr() for g in grads])
-        key = self._plan_key(interp, params)
+        key = self._plan_key(interp, params, grads)
         plan = self._plan
         if plan is not None and plan["key"] == key and (
                 gptrs == plan["grads"] or plan["layout"] == _layout_key(params, grads)):
-            self._replay(plan, grads, gptrs)
+            self._replay(plan, grads, gptrs, capturing)
             _drop_local_grads(views)
             return loss
+        if capturing:
+            raise RuntimeError("AdamW4bit(capturable=True): step() under CUDA graph capture repeats the "
+                               "last step() taken outside capture, and this one differs from it (parameters, "
+                               "gradients, param groups or states changed, or there was none): take one "
+                               "step() outside capture first, with the gradients the graph will use")
         # the step below also records what a step with the same key repeats (self._plan)
         self._plan = None
         plan = dict(key=key, layout=_layout_key(params, grads), states=[], groups=[], k=0, grads=gptrs)
         cacheable = key is not None
         index, writeback = 0, []
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             hp = _group_hparams(group)
             fp32, seeds, sidxs, quant, small = [], [], [], {}, {}
             for p in group["params"]:
@@ -1047,6 +1104,14 @@ class AdamW4bit(torch.optim.Optimizer):
                     raise RuntimeError("AdamW4bit does not support sparse gradients; "
                                        "use dense gradients (e.g. nn.Embedding(sparse=False))")
                 st = self.state[p] if self.state[p] else self._init_state(p, group)
+                if self.capturable != torch.is_tensor(st["step"]):   # a state loaded from the other kind
+                    st["step"] = torch.tensor(float(st["step"]), device=p.device) if self.capturable \
+                        else float(st["step"])
+                if p.grad.dtype not in KERNEL_DTYPES:
+                    raise TypeError(f"AdamW4bit: the gradient of parameter {index} (shape {tuple(p.shape)}) "
+                                    f"is {p.grad.dtype}; allowed: float32, bfloat16, float16")
+                if not _is_dtensor(p):
+                    self._fit_state(p, st)
                 st["step"] += 1
                 plan["states"].append(st)
                 t = int(st["step"])
@@ -1078,7 +1143,8 @@ class AdamW4bit(torch.optim.Optimizer):
                                          _sr_seed(self.seed, t, sidx))
             rule = self.qcfg["param_rounding"]
             _adamw_fp32_steps(fp32, *hp, rule, seeds)
-            gplan = dict(group=group, fused=[], loop=[], launches=[])
+            device = next((p.device for p in group["params"] if p.grad is not None), None)
+            gplan = dict(group=group, index=gi, device=device, fused=[], loop=[], launches=[])
             plan["groups"].append(gplan)
             fused, by_t = fp32 and fp32[0][0].device.type in _FUSED_ADAMW_DEVICES, {}
             for (p, st, t), i in zip(fp32, sidxs):      # what _adamw_fp32_steps did, to repeat
@@ -1086,29 +1152,39 @@ class AdamW4bit(torch.optim.Optimizer):
                     by_t.setdefault(t, []).append((p, st))
                 else:
                     gplan["loop"].append((p, st, t, i))
-            gplan["fused"] = [(t, _fused_fp32_args(its)) for t, its in by_t.items()]
+            gplan["fused"] = [(t, _fused_fp32_args(its, self._device_lr(gi, group, device) if self.capturable
+                                                   else None)) for t, its in by_t.items()]
             for (t, _, _, m_rule), items in quant.items():
                 launch = _triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache,
                                          own_table=cacheable)
+                if self.capturable:
+                    launch["dev"] = self._device_args(gi, group, items[0][1], device)
                 _triton_launch(launch, *hp, t, _seed_of_step(self.seed, t))
                 gplan["launches"].append((t, launch, [p for p, _, _ in items], _triton_launch))
             for (t, *_), items in small.items():
                 launch = _adamw_prepare(items, rule, self._kernel_cache, own_table=cacheable)
+                if self.capturable:
+                    launch["dev"] = self._device_args(gi, group, items[0][1], device)
                 _adamw_launch(launch, *hp, t, _seed_of_step(self.seed, t))
                 gplan["launches"].append((t, launch, [p for p, _, _ in items], _adamw_launch))
         for args in writeback:
             _write_back(*args)
         _drop_local_grads(self._local_views)
         if cacheable:
+            if self.capturable:
+                plan["steps"] = [st["step"] for st in plan["states"]]
+                plan["graphable"] = all(g["device"] is None or (g["device"].type == "cuda" and not g["loop"])
+                                        for g in plan["groups"])
             self._plan = plan
         return loss
 
-    def _plan_key(self, interp, params):
+    def _plan_key(self, interp, params, grads):
         # What the recorded plan of a step depends on, beyond the hyperparameters and the seed that
-        # _replay reads each step, and the gradients (step() compares their addresses, and their
-        # _layout_key when an address moved): the parameter set and storage, the LM head's
+        # _replay reads each step, and the gradients' addresses (step() compares them, and the
+        # whole _layout_key when one moved): the parameter set and storage, the gradients' dtypes
+        # and contiguity (a new gradient may take the old one's address), the LM head's
         # first-moment rule, and _plan_version (states created or loaded, groups added, LM head
-        # marked). A parameter's dtype or layout changes only with a new storage (p.data = ...).
+        # marked). A parameter's dtype changes only with a new storage (p.data = ...).
         # None: no plan (DTensor parameters: before step() has their local aliases, or gathered).
         ids = tuple(map(id, params))
         plan = self._plan   # the same objects as the plan's: no DTensor (isinstance is slow on tensors)
@@ -1120,33 +1196,101 @@ class AdamW4bit(torch.optim.Optimizer):
         return (self._plan_version, id(self.state), interp, self.impl,
                 after is not None and self.progress >= after,
                 tuple([g["quantize"] for g in groups]), tuple(map(len, [g["params"] for g in groups])),
-                ids, tuple([p.data_ptr() for p in params]))
+                ids, tuple([p.data_ptr() for p in params]),
+                tuple([None if g is None else (g.dtype, g.layout is torch.strided and g.is_contiguous())
+                       for g in grads]),
+                # capturable: what its launches keep (a CUDA graph, the bias tables, the lr tensor)
+                tuple([(g["betas"], g["eps"], g["weight_decay"], id(g["lr"]) if torch.is_tensor(g["lr"]) else None)
+                       for g in groups]) if self.capturable else None)
 
-    def _replay(self, plan, grads, gptrs):
+    def _replay(self, plan, grads, gptrs, capturing=False):
         # the recorded step, k steps later: the same tensors, groups and launches, each group's
         # step t + k; the hyperparameters (lr, betas, eps, weight_decay), param_rounding and seed
-        # are read now; gptrs: the gradients' addresses (the launch tables are repointed if moved)
-        for st in plan["states"]:
-            st["step"] += 1
+        # are read now; gptrs: the gradients' addresses (the launch tables are repointed if moved).
+        # capturable: the step counters and lr live on the device; the launches run inside the
+        # caller's CUDA graph capture, or as this plan's own CUDA graph (captured again when the
+        # gradients moved: torch's fused AdamW keeps their addresses)
         plan["k"] = k = plan["k"] + 1
         moved = gptrs != plan["grads"]
         plan["grads"] = gptrs
+        if moved:
+            for gplan in plan["groups"]:
+                for _, launch, ps, _ in gplan["launches"]:
+                    gs = [p.grad for p in ps]
+                    if tuple(g.data_ptr() for g in gs) != launch["grads"]:
+                        if capturing:
+                            raise RuntimeError(
+                                "AdamW4bit(capturable=True): the gradients are at other addresses than "
+                                "at the last step() outside CUDA graph capture; keep them in place "
+                                "(zero_grad(set_to_none=False)) or take a step() with them first")
+                        _triton_regrad(launch, gs)
+        if not self.capturable:
+            for st in plan["states"]:
+                st["step"] += 1
+            self._launch_plan(plan, k)
+            return
+        for gplan in plan["groups"]:       # lr into the device buffers the launches read
+            if gplan["device"] is not None:
+                self._device_lr(gplan["index"], gplan["group"], gplan["device"], capturing)
+        if capturing or not plan["graphable"]:
+            if capturing and not plan["graphable"]:
+                raise RuntimeError("AdamW4bit(capturable=True): a parameter takes the reference step "
+                                   "(non-contiguous, or not on CUDA), which cannot run in a CUDA graph")
+            self._launch_plan(plan, k)
+            return
+        graph = plan.get("graph")
+        if graph is None or moved:
+            plan["graph"] = graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._launch_plan(plan, k)
+        graph.replay()
+
+    def _launch_plan(self, plan, k):
+        # a recorded plan's launches at step t + k (capturable: the step counters first)
+        if self.capturable:
+            torch._foreach_add_(plan["steps"], 1.0)
         rule = self.qcfg["param_rounding"]
         for gplan in plan["groups"]:
             group = gplan["group"]
-            hp = _group_hparams(group)
+            # capturable launches read lr on the device (and the loop, eager only, reads it here)
+            hp = _group_hparams(group) if not self.capturable or gplan["loop"] else \
+                (0.0, *group["betas"], group["eps"], group["weight_decay"])
             for t, a in gplan["fused"]:
                 _fused_fp32_group(a, t + k, *hp)
             if gplan["loop"]:
                 loop = gplan["loop"]
                 _adamw_fp32_steps([(p, st, t + k) for p, st, t, _ in loop], *hp, rule,
                                   [_sr_seed(self.seed, t + k, i) for _, _, t, i in loop])
-            for t, launch, ps, run in gplan["launches"]:
-                if moved:
-                    gs = [p.grad for p in ps]
-                    if tuple(g.data_ptr() for g in gs) != launch["grads"]:
-                        _triton_regrad(launch, gs)
+            for t, launch, _, run in gplan["launches"]:
                 run(launch, *hp, t + k, _seed_of_step(self.seed, t + k))
+
+    def _device_lr(self, index, group, device, capturing=False):
+        # capturable: the 0-d tensor on `device` the kernels read lr from: the group's own lr if it
+        # is one, else a float64 buffer of this optimizer filled with it (not under capture: a
+        # graph would keep the value)
+        lr = group["lr"]
+        if torch.is_tensor(lr) and lr.device == device and lr.numel() == 1:
+            return lr
+        if capturing:
+            raise RuntimeError(f"AdamW4bit(capturable=True): param_groups[{index}]['lr'] is {lr!r}; under "
+                               f"CUDA graph capture it must be a 0-d tensor on {device} that you update "
+                               "in place (lr.fill_(value)), or the graph would keep this value")
+        buf = self._device_bufs.get(("lr", index, device))
+        if buf is None:
+            buf = self._device_bufs[("lr", index, device)] = torch.zeros((), dtype=torch.float64, device=device)
+        buf.fill_(float(lr))
+        return buf
+
+    def _device_args(self, index, group, state, device):
+        # a capturable launch's device arguments (_launch_scalars): the step counter of its
+        # tensors (one t per launch), lr, the bias-correction table of the group's betas and wd
+        b1, b2 = group["betas"]
+        key = ("bias", b1, b2, group["weight_decay"], device)
+        bias = self._device_bufs.get(key)
+        if bias is None:
+            bias = self._device_bufs[key] = _bias_table(b1, b2, group["weight_decay"]).to(device)
+        return dict(step=state["step"], lr=self._device_lr(index, group, device), bias=bias,
+                    rows=bias.shape[0], seed_term=self.seed * 1_000_003 % _SEED_MOD)
 
     def _use_adamw_kernel(self, p, interp):
         # adamw_step_triton for an FP32-state tensor: 16-bit parameters (FP32 ones take torch's
@@ -1162,8 +1306,11 @@ class AdamW4bit(torch.optim.Optimizer):
             p.grad.dtype in KERNEL_DTYPES and p.grad.is_contiguous()
         if self.impl == "triton" and not ok:
             raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
-                             "contiguous float32/bfloat16/float16 parameters and gradients; got "
-                             f"{p.device} {p.dtype} param, {p.grad.dtype} grad")
+                             "contiguous float32/bfloat16/float16 parameters and gradients; got a "
+                             f"{'' if p.is_contiguous() else 'non-contiguous '}{p.device} {p.dtype} "
+                             f"parameter of shape {tuple(p.shape)} with a "
+                             f"{'' if p.grad.is_contiguous() else 'non-contiguous '}{p.grad.dtype} gradient "
+                             "(use .contiguous() parameters or impl='auto')")
         return ok and (p.is_cuda or self.impl == "triton")
 
 
@@ -1191,7 +1338,7 @@ _INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 _SEED_MOD_TL = tl.constexpr(_SEED_MOD)
 
 
-@triton.jit(do_not_specialize=["seed_of_step"])
+@triton.jit(do_not_specialize=["seed_of_step", "bias_rows"])
 def _adamw4bit_kernel(
         # launch tables: program -> tensor (int32), one row per tensor (int64, TAB_* columns)
         program_tensor, launch_table,
@@ -1201,6 +1348,8 @@ def _adamw4bit_kernel(
         # hyper-parameters of this step (eq. 2.1a-b, 3.1): seed_of_step + the table's index term
         # is the tensor's SR seed (_sr_seed); decay = 1 - lr wd; step_size = lr / bc1
         seed_of_step, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
+        # capturable steps (DEV): t and lr read from device memory, see _device_scalars
+        step_ptr, lr_ptr, bias_table, bias_rows, DEV: tl.constexpr,
         # the configuration: rounding rules (eq. A.2), EDEN (eq. 3.2), input types and layout
         M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr, EDEN: tl.constexpr,
         HAS_U: tl.constexpr, ALIGNED: tl.constexpr,
@@ -1211,6 +1360,9 @@ def _adamw4bit_kernel(
         BLOCK_SIZE: tl.constexpr, NB: tl.constexpr, TILES: tl.constexpr):
     # A program does TILES tiles of NB consecutive blocks of one tensor, two tiles per loop
     # iteration; its row of the launch table gives the tensor's pointers.
+    if DEV:
+        seed_of_step, decay, step_size, inv_sqrt_bc2 = _device_scalars(step_ptr, lr_ptr, bias_table,
+                                                                       bias_rows, seed_of_step)
     pid = tl.program_id(0)
     row = launch_table + tl.load(program_tensor + pid) * TAB_WIDTH
     n_blocks = tl.load(row + TAB_N_BLOCKS)
@@ -1294,6 +1446,21 @@ def _adamw4bit_kernel(
 
 
 # ---- the kernel's helpers --------------------------------------------------------------------
+
+@triton.jit
+def _device_scalars(step_ptr, lr_ptr, bias_table, bias_rows, seed_term):
+    # A capturable step's scalars from device memory, with the host's float64 arithmetic (see
+    # _launch_scalars): t (the float32 step counter), lr (float32 or float64), and from
+    # _bias_table row min(t, rows - 1) bc1 = 1 - b1^t and 1 / sqrt(bc2), its row 0 holding wd;
+    # seed_term = seed * 1000003 mod (2^31 - 1), _seed_of_step's step-free part.
+    t = tl.load(step_ptr).to(tl.int64)
+    lr = tl.load(lr_ptr).to(tl.float64)
+    row = bias_table + 2 * tl.minimum(t, bias_rows - 1)
+    decay = (1.0 - lr * tl.load(bias_table)).to(tl.float32)
+    step_size = (lr / tl.load(row)).to(tl.float32)      # float64 division: IEEE-rounded
+    inv_sqrt_bc2 = tl.load(row + 1).to(tl.float32)
+    return (seed_term + t * 65537) % _SEED_MOD_TL, decay, step_size, inv_sqrt_bc2
+
 
 @triton.jit
 def _load_tile(param, grad, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, first, lim,
@@ -1728,7 +1895,7 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
                                           or cfg.get("param_rounding") == "sr"]
     m_lut, v_lut = tabs[f"m_lut_{m_rounding}"], tabs["v_lut"]
     return dict(
-        grid=(progs[0].numel(),), progs=progs[0], tab=tab, tabs=tabs, m_lut=m_lut, v_lut=v_lut,
+        dev=None, grid=(progs[0].numel(),), progs=progs[0], tab=tab, tabs=tabs, m_lut=m_lut, v_lut=v_lut,
         grads=tuple(r[1] for r in ptrs), g_align=g_align, p_aligned=p_aligned,
         flags=dict(M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
                    EDEN=bool(cfg["eden"]), HAS_U=u is not None,
@@ -1753,16 +1920,29 @@ def _triton_regrad(launch, grads):
         launch["flags"]["ALIGNED"] = launch["p_aligned"] and all(g % launch["g_align"] == 0 for g in ptrs)
 
 
+def _launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step):
+    """The per-step arguments of both kernels: (seed_of_step, decay, step_size, 1/sqrt(bc2)) of
+    eq. 2.1b at step t from the host, then the device ones (step counter, lr, _bias_table,
+    its rows, the DEV flag). A launch with launch["dev"] (capturable=True) passes no host
+    scalars: the kernel reads t and lr from device memory (_device_scalars), the same float64
+    arithmetic."""
+    dev = launch["dev"]
+    if dev is None:
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        tab = launch["tab"]        # unused pointers
+        return (seed_of_step, 1 - lr * wd, lr / bc1, 1 / math.sqrt(bc2)), (tab, tab, tab, 1, False)
+    return (dev["seed_term"], 0.0, 0.0, 0.0), (dev["step"], dev["lr"], dev["bias"], dev["rows"], True)
+
+
 def _triton_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
     """Launch _adamw4bit_kernel for a _triton_prepare plan with step t's scalars."""
-    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-    decay, step_size = 1 - lr * wd, lr / bc1
+    (seed_of_step, decay, step_size, inv_sqrt_bc2), dev = _launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step)
     tabs, m_lut, v_lut = launch["tabs"], launch["m_lut"], launch["v_lut"]
     _adamw4bit_kernel[launch["grid"]](
         launch["progs"], launch["tab"],
         tabs["m_decode"], tabs["v_decode"], tabs["v_codebook"], m_lut, v_lut,
         (m_lut.numel() - 1) / 2, (v_lut.numel() - 1) / 2, tabs["m_adjacent"], tabs["v_adjacent"],
-        seed_of_step, decay, step_size, b1, 1 - b1, b2, 1 - b2, 1 / math.sqrt(bc2), eps,
+        seed_of_step, decay, step_size, b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2, eps, *dev,
         **launch["flags"])
 
 
@@ -1779,11 +1959,15 @@ def _triton_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
 ADAMW_BLOCK = 1024       # elements per program
 
 
-@triton.jit(do_not_specialize=["seed_of_step"])
+@triton.jit(do_not_specialize=["seed_of_step", "bias_rows"])
 def _adamw_kernel(program_tensor, launch_table,
                   seed_of_step, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
+                  step_ptr, lr_ptr, bias_table, bias_rows, DEV: tl.constexpr,
                   HAS_U: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
                   P_SR: tl.constexpr, P_CORR: tl.constexpr, BLOCK: tl.constexpr):
+    if DEV:
+        seed_of_step, decay, step_size, inv_sqrt_bc2 = _device_scalars(step_ptr, lr_ptr, bias_table,
+                                                                       bias_rows, seed_of_step)
     pid = tl.program_id(0)
     row = launch_table + tl.load(program_tensor + pid) * TAB_WIDTH
     i = (pid - tl.load(row + TAB_FIRST_PROGRAM)) * BLOCK + tl.arange(0, BLOCK)    # int64
@@ -1863,7 +2047,7 @@ def _adamw_prepare(items, rule, cache, u=None, own_table=False):
     p0 = items[0][0]
     bf16, p_corr = p0.dtype == torch.bfloat16, "param_correction" in items[0][1]
     extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
-    return dict(grid=(progs[0].numel(),), progs=progs[0], tab=tab, grads=tuple(r[1] for r in ptrs),
+    return dict(dev=None, grid=(progs[0].numel(),), progs=progs[0], tab=tab, grads=tuple(r[1] for r in ptrs),
                 flags=dict(HAS_U=u is not None, P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
                            P_SR=bf16 and not p_corr and rule == "sr", P_CORR=bf16 and p_corr,
                            BLOCK=ADAMW_BLOCK, num_warps=4, **extra))
@@ -1871,6 +2055,6 @@ def _adamw_prepare(items, rule, cache, u=None, own_table=False):
 
 def _adamw_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
     """Launch _adamw_kernel for an _adamw_prepare plan with step t's scalars."""
-    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-    _adamw_kernel[launch["grid"]](launch["progs"], launch["tab"], seed_of_step, 1 - lr * wd, lr / bc1,
-                                  b1, 1 - b1, b2, 1 - b2, 1 / math.sqrt(bc2), eps, **launch["flags"])
+    (seed_of_step, decay, step_size, inv_sqrt_bc2), dev = _launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step)
+    _adamw_kernel[launch["grid"]](launch["progs"], launch["tab"], seed_of_step, decay, step_size,
+                                  b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2, eps, *dev, **launch["flags"])

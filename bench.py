@@ -152,6 +152,7 @@ def _optimizers():
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True, **hp),
         "torch AdamW foreach": lambda ps: torch.optim.AdamW(ps, foreach=True, **hp),
         "ours zipsr": lambda ps: A.AdamW4bit(ps, preset="zipsr", **hp),
+        "ours zipsr, capturable=True (a CUDA graph)": lambda ps: A.AdamW4bit(ps, preset="zipsr", capturable=True, **hp),
         "ours zeeden": lambda ps: A.AdamW4bit(ps, preset="zeeden", **hp),
         "ours torchao-preset": lambda ps: A.AdamW4bit(ps, preset="torchao", **hp),
         "ours fp32-preset": lambda ps: A.AdamW4bit(ps, preset="fp32", **hp),
@@ -178,6 +179,7 @@ def _bf16_param_optimizers():
     opts = {
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True, **hp),
         "ours zipsr (RTN write)": lambda ps: A.AdamW4bit(ps, preset="zipsr", **hp),
+        "ours zipsr (RTN write), capturable=True": lambda ps: A.AdamW4bit(ps, preset="zipsr", capturable=True, **hp),
         "ours zipsr, param_rounding=sr": lambda ps: A.AdamW4bit(ps, preset="zipsr", param_rounding="sr", **hp),
         "ours zipsr, master_weight_bits=24": lambda ps: A.AdamW4bit(ps, preset="zipsr", master_weight_bits=24, **hp),
     }

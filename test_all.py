@@ -1716,6 +1716,168 @@ def test_step_plan_is_rebuilt_on_every_change_and_matches_an_uncached_step(monke
     step()
 
 
+# ---------------------------------------------------------------------------------------------
+# capturable=True: step counters and lr on the device, the step as a CUDA graph
+
+def test_capturable_step_equals_host_step(monkeypatch):
+    """capturable=True (kernels read t and lr from device memory, _bias_table) gives the weights
+    and states of capturable=False bit for bit over 4 steps with a changing lr, gradients that
+    move and one that becomes None; its step counters are float32 tensors, and a state_dict goes
+    both ways (the next steps still equal)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(50)
+    shapes = [(4096,), (32, 128), (100,)]
+    for dtype, kw in ((torch.bfloat16, dict(preset="zipsr", param_rounding="sr")), (torch.float32, dict(preset="zeeden"))):
+        init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        xs, ys = ([torch.nn.Parameter(w.clone()) for w in init] for _ in range(2))
+        ox = A.AdamW4bit(xs, lr=1e-2, impl="triton", **kw)
+        oy = A.AdamW4bit(ys, lr=1e-2, impl="triton", capturable=True, **kw)
+
+        def step(i, none=()):
+            for g in ox.param_groups + oy.param_groups:
+                g["lr"] = 1e-2 / (i + 1)
+            for j, (x, y) in enumerate(zip(xs, ys)):
+                g = torch.randn(x.shape, generator=gen).to(dtype)
+                x.grad, y.grad = (None, None) if j in none else (g, g.clone())
+            ox.step()
+            oy.step()
+            for x, y in zip(xs, ys):
+                assert torch.equal(x, y), (dtype, i, tuple(x.shape))
+                assert all(torch.equal(ox.state[x][k], oy.state[y][k]) for k in ox.state[x] if k != "step")
+                for o, q in ((ox, x), (oy, y)):
+                    assert torch.is_tensor(o.state[q]["step"]) == o.capturable
+                assert float(oy.state[y]["step"]) == float(ox.state[x]["step"])
+
+        for i in range(3):
+            step(i, none=(2,) if i == 1 else ())
+        oy2 = A.AdamW4bit(ys, lr=1e-2, impl="triton", **kw)      # capturable state -> host steps
+        oy2.load_state_dict(oy.state_dict())
+        oy, ox2 = oy2, A.AdamW4bit(xs, lr=1e-2, impl="triton", capturable=True, **kw)
+        ox2.load_state_dict(ox.state_dict())                      # host state -> capturable
+        ox = ox2
+        step(3)
+    with pytest.raises(TypeError, match="capturable must be a bool"):
+        A.AdamW4bit(xs, capturable=1)
+
+
+def test_bias_table_rows_are_the_host_values_until_both_reach_one():
+    """_bias_table row t holds (1 - b1^t, 1/sqrt(1 - b2^t)) as the host computes them, row 0 the
+    weight decay, and its last row is the first where both are exactly 1."""
+    tab = A._bias_table(0.9, 0.95, 0.1)
+    assert tab[0].tolist() == [0.1, 0.0] and tab[-1].tolist() == [1.0, 1.0]
+    for t in (1, 2, 17, tab.shape[0] - 2):
+        assert tab[t].tolist() == [1 - 0.9 ** t, 1 / math.sqrt(1 - 0.95 ** t)]
+    assert tab[-2].tolist() != [1.0, 1.0] and 1 - 0.95 ** (tab.shape[0] - 1) == 1.0
+    with pytest.raises(ValueError, match="too close to 1"):
+        A._bias_table(0.9, 1 - 1e-9, 0.0)
+
+
+def test_state_follows_parameter_casts_and_gradient_dtypes(monkeypatch):
+    """A recorded step plan notices a gradient of another dtype at the old one's address; a
+    parameter cast away from BF16 after steps with master_weight_bits=24 takes the 24-bit master
+    weight as its value (both impls alike), one cast to BF16 gets a zero correction; a loaded
+    non-contiguous state is made contiguous (the kernel equals the reference); float64
+    parameters and integer gradients are refused, naming the dtype."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(52)
+    p = torch.nn.Parameter(torch.randn(64, 64, generator=gen).bfloat16())
+    p.grad_dtype = None
+    o = A.AdamW4bit([p], impl="triton", preset="torchao")
+    for _ in range(2):
+        p.grad = torch.randn(64, 64, generator=gen).bfloat16()
+        o.step()
+    plan = o._plan
+    p.grad = torch.randn(64, 64, generator=gen)   # FP32 now, maybe at the old gradient's address
+    o.step()
+    assert o._plan is not plan and torch.isfinite(p).all()
+    for impl in ("torch", "triton"):
+        q = torch.nn.Parameter(torch.randn(64, 64, generator=gen).bfloat16())
+        o = A.AdamW4bit([q], impl=impl, preset="torchao", master_weight_bits=24, lr=1e-2)
+        q.grad = torch.randn(64, 64, generator=gen).bfloat16()
+        o.step()
+        master = A.read_param(q, o.state[q]["param_correction"])
+        q.data = q.data.float()
+        o.param_groups[0]["lr"] = 0.0
+        for _ in range(2):
+            q.grad = torch.zeros(64, 64)
+            o.step()
+        assert torch.equal(q.detach(), master) and "param_correction" not in o.state[q], impl
+        q.data = q.data.bfloat16()
+        q.grad = torch.zeros(64, 64).bfloat16()
+        o.step()
+        assert o.state[q]["param_correction"].abs().sum() == 0
+    ref, ker = (torch.nn.Parameter(torch.randn(32, 128, generator=gen).bfloat16()) for _ in range(2))
+    ker.data.copy_(ref.data)
+    sts = []
+    for impl, w in (("torch", ref), ("triton", ker)):
+        o = A.AdamW4bit([w], impl=impl, preset="torchao", master_weight_bits=24, lr=1e-2)
+        src = A.AdamW4bit([torch.nn.Parameter(w.detach().t().contiguous().t())], impl="torch",
+                          preset="torchao", master_weight_bits=24)
+        src.param_groups[0]["params"][0].grad = torch.ones(128, 32).bfloat16().t()
+        src.step()
+        o.load_state_dict(src.state_dict())
+        w.grad = torch.ones(32, 128).bfloat16()
+        o.step()
+        sts.append(o.state[w])
+    assert torch.equal(ref, ker) and torch.equal(sts[0]["param_correction"], sts[1]["param_correction"])
+    with pytest.raises(TypeError, match="float64"):
+        A.AdamW4bit([torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))])
+    s = torch.nn.Parameter(torch.zeros(4))
+    o = A.AdamW4bit([s])
+    s.grad_dtype = None
+    s.grad = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(TypeError, match="gradient of parameter 1 .*int32"):
+        o.step()
+
+
+@needs_cuda
+def test_gpu_capturable_step_as_cuda_graph():
+    """On CUDA, capturable=True replays the step as its own CUDA graph (captured again when the
+    gradients move) and equals capturable=False bit for bit with BF16 parameters (every tensor on
+    our kernels) and on the 4-bit tensors with FP32 ones (the FP32-state ones: torch's fused AdamW
+    with a float32 lr tensor, to 1e-6); a step captured by the caller (lr a CUDA tensor updated
+    in place, gradients copied in place) replays to the same weights."""
+    gen = torch.Generator(device="cuda").manual_seed(51)
+    shapes = [(4096,), (256, 384), (100,), (33, 3)]
+    for dtype in (torch.bfloat16, torch.float32):
+        init = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
+        ps = [[torch.nn.Parameter(w.clone()) for w in init] for _ in range(3)]
+        lr_t = torch.tensor(1e-2, dtype=torch.float64, device="cuda")
+        opts = [A.AdamW4bit(ps[0], lr=1e-2, preset="zipsr"), A.AdamW4bit(ps[1], lr=1e-2, preset="zipsr", capturable=True),
+                A.AdamW4bit(ps[2], lr=lr_t, preset="zipsr", capturable=True)]
+        graph = None
+        for i in range(6):
+            lr = 1e-2 / (i + 1)
+            grads = [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
+            for o, group in zip(opts[:2], ps[:2]):
+                o.param_groups[0]["lr"] = lr
+                for p, g in zip(group, grads):
+                    p.grad = g.clone() if i % 3 == 0 or p.grad is None else p.grad.copy_(g)
+            lr_t.fill_(lr)
+            for p, g in zip(ps[2], grads):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            opts[0].step()
+            opts[1].step()
+            if i == 0:
+                opts[2].step()                       # recorded outside capture
+            else:
+                if graph is None:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        opts[2].step()
+                graph.replay()
+            for a, b, c in zip(*ps):
+                if dtype == torch.bfloat16 or a.numel() >= 4096:
+                    assert torch.equal(a, b) and torch.equal(a, c), (dtype, i, tuple(a.shape))
+                else:
+                    assert torch.allclose(a, b, rtol=1e-6, atol=1e-9) and torch.allclose(a, c, rtol=1e-6, atol=1e-9)
+        assert opts[1]._plan["graph"] is not None
+        assert float(opts[2].state[ps[2][0]]["step"]) == 6
+
+
 # =============================================================================================
 # gaussws.py (paper A)
 
@@ -4660,6 +4822,24 @@ def test_train_bf16_params_with_master_weight_bits_resumes(corpus, tmp_path):
     corr = [st["param_correction"] for st in ca["optimizer"]["state"].values()]
     assert corr and all(c.dtype == torch.int8 for c in corr) and any(c.abs().max() > 0 for c in corr)
     assert _tensors_equal(ca["model"], cb["model"]) and _tensors_equal(ca["optimizer"], cb["optimizer"])
+
+def test_train_capturable_equals_plain_run_and_resumes_across_it(corpus, tmp_path):
+    """train.py --capturable (AdamW4bit(capturable=True): device step counters; a CUDA graph on a
+    GPU) trains to the same checkpoint as without it, a run stopped without it resumes with it,
+    and --capturable with --optim adamw is a one-line error."""
+    with pytest.raises(SystemExit):
+        train.main(base_args(corpus, tmp_path / "x", "--optim", "adamw", "--capturable"))
+    args = base_args(corpus, tmp_path / "a", "--optim", "zipsr", "--max_iters", "4", "--eval_interval", "2")
+    train.main(args)
+    args_b = [a if a != str(tmp_path / "a") else str(tmp_path / "b") for a in args]
+    train.main(args_b + ["--stop_after", "2"])
+    train.main(args_b + ["--resume", "--capturable"])
+    ca = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=True)
+    cb = torch.load(tmp_path / "b" / "ckpt.pt", weights_only=True)
+    steps = [st["step"] for st in cb["optimizer"]["state"].values()]
+    assert steps and all(torch.is_tensor(t) and float(t) == 4 for t in steps)
+    assert _tensors_equal(ca["model"], cb["model"])
+
 
 # =============================================================================================
 # bench.py: the sections that also run on CPU (no timing is asserted)

@@ -72,7 +72,7 @@ DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "mi
 # what is trained, or (max_iters, tokens_per_param) they extend the run under a recomputed
 # schedule; every other setting must match.
 RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "compile_mode", "eval_interval", "eval_windows", "device",
-               "data_dir", "plot", "overwrite", "max_iters", "tokens_per_param", "threads"}
+               "data_dir", "plot", "overwrite", "max_iters", "tokens_per_param", "threads", "capturable"}
 # flags added after checkpoints were written: their value when the checkpoint has none
 RESUME_DEFAULTS = dict(param_dtype="fp32", param_rounding="rtn", master_weight_bits=None)
 
@@ -142,6 +142,8 @@ def build_parser():
                    help="4-bit AdamW presets, --param_dtype bf16: how the new BF16 weight is written (sr: stochastic)")
     g.add_argument("--master_weight_bits", type=int, default=None, choices=(24,),
                    help="4-bit AdamW presets, --param_dtype bf16: 24 keeps an int8 correction per weight (+1 B/param)")
+    g.add_argument("--capturable", action="store_true",
+                   help="4-bit AdamW presets: the optimizer step replays as one CUDA graph (AdamW4bit(capturable=True))")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate; default per preset (paper B Table 7)")
     g.add_argument("--schedule", default="wsd", choices=SCHEDULES, help="WSD: warmup, constant, 1-sqrt(u) cooldown")
     g.add_argument("--warmup_frac", type=float, default=0.1, help="share of steps in linear warmup")
@@ -317,6 +319,8 @@ def check_fsdp_flags(parser, args):
     if args.master_weight_bits:
         parser.error(f"--fsdp with --master_weight_bits {args.master_weight_bits}: not supported under "
                      "FSDP2; use --param_rounding sr or DDP")
+    if args.capturable:
+        parser.error("--fsdp with --capturable: not supported under FSDP2; drop --capturable or use DDP")
 
 
 def check_optimizer_flags(parser, args):
@@ -329,6 +333,8 @@ def check_optimizer_flags(parser, args):
     if bf16_write and (args.param_dtype != "bf16" or args.optim not in FOURBIT):
         parser.error(f"{' '.join(bf16_write)}: only with --param_dtype bf16 and a 4-bit AdamW preset "
                      f"(--optim {'|'.join(FOURBIT)}), got --param_dtype {args.param_dtype} --optim {args.optim}")
+    if args.capturable and args.optim not in FOURBIT:
+        parser.error(f"--capturable: only with a 4-bit AdamW preset (--optim {'|'.join(FOURBIT)}), got --optim {args.optim}")
     if len(bf16_write) == 2:
         parser.error("--param_rounding sr with --master_weight_bits 24: the correction keeps the residual of "
                      "a round-to-nearest write; give one of them")
@@ -610,6 +616,7 @@ def build_optimizer(args, model, device_type):
         opt = adam4bit.AdamW4bit(groups, lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay,
                                  preset=args.optim, seed=args.seed, param_rounding=getattr(args, "param_rounding", "rtn"),
                                  master_weight_bits=getattr(args, "master_weight_bits", None),
+                                 capturable=getattr(args, "capturable", False),
                                  **optimizer_overrides(args))
         opt.mark_lm_head(model.lm_head.weight)
         return opt
