@@ -866,9 +866,9 @@ class AdamW4bit(torch.optim.Optimizer):
                                 f"of shape {tuple(p.shape)}")
             if p.dtype == torch.float16 and (self.qcfg["param_rounding"] == "sr"
                                              or self.qcfg["master_weight_bits"]):
-                raise TypeError(f"param_rounding={self.qcfg['param_rounding']!r}, master_weight_bits="
-                                f"{self.qcfg['master_weight_bits']!r} need bfloat16 or float32 "
-                                f"parameters, got float16 of shape {tuple(p.shape)}")
+                what = "param_rounding='sr'" if self.qcfg["param_rounding"] == "sr" else "master_weight_bits=24"
+                raise TypeError(f"{what} is for bfloat16 parameters (float16 ones are written round-to-"
+                                f"nearest); got float16 of shape {tuple(p.shape)}")
 
     # ---- trainer hooks ----------------------------------------------------------------------
     def mark_lm_head(self, param):
@@ -1101,7 +1101,8 @@ class AdamW4bit(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError("AdamW4bit does not support sparse gradients; "
+                    raise RuntimeError(f"AdamW4bit does not support sparse gradients (parameter {index}, "
+                                       f"shape {tuple(p.shape)}); "
                                        "use dense gradients (e.g. nn.Embedding(sparse=False))")
                 st = self.state[p] if self.state[p] else self._init_state(p, group)
                 if self.capturable != torch.is_tensor(st["step"]):   # a state loaded from the other kind

@@ -139,11 +139,11 @@ def build_parser():
     g.add_argument("--param_dtype", default="fp32", choices=("fp32", "bf16"),
                    help="dtype the model parameters are stored in (bf16: no FP32 master copy; b_i stay FP32)")
     g.add_argument("--param_rounding", default="rtn", choices=adam4bit.PARAM_ROUNDINGS,
-                   help="4-bit AdamW presets, --param_dtype bf16: how the new BF16 weight is written (sr: stochastic)")
+                   help="AdamW4bit presets, --param_dtype bf16: how the new BF16 weight is written (sr: stochastic)")
     g.add_argument("--master_weight_bits", type=int, default=None, choices=(24,),
-                   help="4-bit AdamW presets, --param_dtype bf16: 24 keeps an int8 correction per weight (+1 B/param)")
+                   help="AdamW4bit presets, --param_dtype bf16: 24 keeps an int8 correction per weight (+1 B/param)")
     g.add_argument("--capturable", action="store_true",
-                   help="4-bit AdamW presets: the optimizer step replays as one CUDA graph (AdamW4bit(capturable=True))")
+                   help="AdamW4bit presets: the optimizer step replays as one CUDA graph (AdamW4bit(capturable=True))")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate; default per preset (paper B Table 7)")
     g.add_argument("--schedule", default="wsd", choices=SCHEDULES, help="WSD: warmup, constant, 1-sqrt(u) cooldown")
     g.add_argument("--warmup_frac", type=float, default=0.1, help="share of steps in linear warmup")
@@ -331,10 +331,10 @@ def check_optimizer_flags(parser, args):
     bf16_write = [f for f, on in (("--param_rounding sr", args.param_rounding == "sr"),
                                   ("--master_weight_bits 24", args.master_weight_bits)) if on]
     if bf16_write and (args.param_dtype != "bf16" or args.optim not in FOURBIT):
-        parser.error(f"{' '.join(bf16_write)}: only with --param_dtype bf16 and a 4-bit AdamW preset "
+        parser.error(f"{' '.join(bf16_write)}: only with --param_dtype bf16 and an AdamW4bit preset "
                      f"(--optim {'|'.join(FOURBIT)}), got --param_dtype {args.param_dtype} --optim {args.optim}")
     if args.capturable and args.optim not in FOURBIT:
-        parser.error(f"--capturable: only with a 4-bit AdamW preset (--optim {'|'.join(FOURBIT)}), got --optim {args.optim}")
+        parser.error(f"--capturable: only with an AdamW4bit preset (--optim {'|'.join(FOURBIT)}), got --optim {args.optim}")
     if len(bf16_write) == 2:
         parser.error("--param_rounding sr with --master_weight_bits 24: the correction keeps the residual of "
                      "a round-to-nearest write; give one of them")
