@@ -38,7 +38,7 @@ The paper runs three separate steps; `fused=False` does exactly that:
       backward).
   (3) The matmul: plain `F.linear(x, w_hat, bias)`.
 The backward regenerates R from the forward's seed (counter-based Philox gives the same bits) and
-one kernel writes ∂L/∂w and tilemax · sum_32(∂L/∂w_hat ⊙ R).
+one kernel writes ∂L/∂w and ∂L/∂b_i (tilemax · sum_32(∂L/∂w_hat ⊙ R) taken through eq. 11).
 `fused=True` (the default of `GaussWSLinear` and `apply_pqt`) leaves out step (1): the apply and
 grad kernels draw R from Philox themselves, the same R bit for bit, so no packed R goes through
 memory.
@@ -639,22 +639,39 @@ def _apply_torch(w, noise, pow2, method, out_dtype):
     return w_hat, tmax
 
 
+def _pow2_live_torch(b_t, pow2):
+    """What the backward needs of b_t: 2^(1−b_t) where B_MIN <= b_t <= B_MAX (clamp passes the
+    gradient there, ends included), 0 where it is clamped (no gradient; 2^(1−b_t) >= 2^-23 is never
+    0 inside the range, so `!= 0` is the clamp's mask again). The sampling kernel writes it so a
+    compiled backward reads it from memory: were it b_t and 2^(1−b_t) themselves, Inductor would
+    recompute them from b_i in a kernel of its own before the grad kernel (cheap pointwise ops)."""
+    return torch.where((b_t >= B_MIN) & (b_t <= B_MAX), pow2, 0.0)
+
+
 @triton.jit
-def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, M, N, N8, TN,
-                  NOISE: tl.constexpr, BT: tl.constexpr):
-    """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t)."""
+def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, bt_ptr, live_ptr, M, N, N8, TN,
+                  NOISE: tl.constexpr, BT: tl.constexpr, LIVE: tl.constexpr, B_LO: tl.constexpr,
+                  B_HI: tl.constexpr):
+    """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t); with
+    LIVE also 2^(1-b_t) masked by the clamp range of b_t (`_pow2_live_torch`) for the backward."""
     ti, row, col, mask = _tile_block(M, N, BT)
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = _tile_absmax(w)                                             # (BT,), edge tiles masked
     tmask = ti < TN
-    pow2 = tl.load(pow2_ptr + tl.program_id(0) * TN + ti, mask=tmask, other=0.0)
+    tidx = tl.program_id(0) * TN + ti
+    pow2 = tl.load(pow2_ptr + tidx, mask=tmask, other=0.0)
     r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
     w_hat = w + r * (tmax * pow2)[None, :, None]
     tl.store(out_ptr + row * N + col, _cast(w_hat, out_ptr.dtype.element_ty), mask=mask)
-    tl.store(tmax_ptr + tl.program_id(0) * TN + ti, tmax, mask=tmask)
+    tl.store(tmax_ptr + tidx, tmax, mask=tmask)
+    if LIVE:
+        b_t = tl.load(bt_ptr + tidx, mask=tmask, other=0.0)
+        tl.store(live_ptr + tidx, tl.where((b_t >= B_LO) & (b_t <= B_HI), pow2, 0.0), mask=tmask)
 
 
-def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None):
+def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None, b_t=None):
+    """The kernel's (w_hat, tile maxima); with b_t (float32 tiles, contiguous) also
+    `_pow2_live_torch`'s tiles, as a third output."""
     m, n = w.shape
     tm, tn = tile_grid(m, n)
     mode = _noise_mode(method, fused)
@@ -662,10 +679,13 @@ def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_w
     bt, num_warps = bt or CONFIG[key + "_bt"], num_warps or CONFIG[key + "_warps"]
     w_hat = torch.empty(m, n, dtype=out_dtype, device=w.device)
     tmax = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
+    live = torch.empty(tm, tn, dtype=torch.float32, device=w.device) if b_t is not None else tmax
     r = w if mode == 2 else noise   # unused pointer in fused mode
-    _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed, m, n, -(-n // 8), tn,
-                                             NOISE=mode, BT=bt, num_warps=num_warps)
-    return w_hat, tmax
+    _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed,
+                                             pow2 if b_t is None else b_t, live, m, n, -(-n // 8), tn,
+                                             NOISE=mode, BT=bt, LIVE=b_t is not None, B_LO=B_MIN,
+                                             B_HI=B_MAX, num_warps=num_warps)
+    return (w_hat, tmax) if b_t is None else (w_hat, tmax, live)
 
 
 def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl="auto"):
@@ -691,21 +711,43 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
 
 
 # ==============================================================================================
-# eq. 4: backward. ∂L/∂w = ∂L/∂w_hat; the kernels give ∂L/∂(2^(1−b_t)) = tilemax · sum_32(g ⊙ R),
-# and autograd through `_pow2` multiplies by −ln2 · 2^(1−b_t)
+# eq. 4: backward. ∂L/∂w = ∂L/∂w_hat; the kernels give ∂L/∂(2^(1−b_t)) = tilemax · sum_32(g ⊙ R)
+# and, in the same program, follow it through 2^(1 − clamp(b_t)) and eq. 11 down to the tensor b
+# the caller differentiates (a layer's b_i; b_t itself for the public calls):
+#
+#     ∂L/∂b = where(B_MIN <= b_t <= B_MAX, −((∂L/∂2^(1−b_t) · 2^(1−b_t)) · ln2), 0) · b_scale
+#
+# b_scale = b_init − b_target for b_i (eq. 11), 1 for b_t; the mask and 2^(1−b_t) come in as one
+# tile tensor (`_pow2_live_torch`). These are the float32 operations, in the order, that autograd
+# runs through `_pow2` and `_bitwidth` (exp2: (grad · result) · ln2; rsub: negate; clamp: the
+# mask, ends included; mul: · b_scale), so the bits are autograd's; being products only, no FMA
+# can change them. It saves the launches of those autograd ops (compiled: one Inductor kernel).
 
-def _grad_torch(g, noise, tmax, method, w_dtype):
-    """eq. 4 in plain PyTorch: (∂L/∂w in w_dtype, ∂L/∂(2^(1−b_t)) float32 tiles)."""
+LN2 = math.log(2)
+
+
+def _bits_grad_torch(dpow2, live, b_scale, b_dtype):
+    """∂L/∂b from ∂L/∂2^(1−b_t) and `_pow2_live_torch` (float32 tiles): the formula above in
+    autograd's order, cast to b's dtype (autograd's backward of b.float())."""
+    d = torch.where(live != 0, -((dpow2 * live) * LN2), 0.0)
+    return (d * b_scale).to(b_dtype)
+
+
+def _grad_torch(g, noise, tmax, method, w_dtype, bits=None):
+    """eq. 4 in plain PyTorch: (∂L/∂w in w_dtype, ∂L/∂(2^(1−b_t)) float32 tiles); with
+    bits = (live, b_scale, b_dtype) the second is ∂L/∂b (`_bits_grad_torch`)."""
     m, n = g.shape
     tm, tn = tmax.shape
     gr = F.pad(g.float() * _noise_values_torch(noise, method, n), (0, tn * TILE - n, 0, tm * TILE - m))
-    return g.to(w_dtype, copy=True), tmax * gr.view(tm, TILE, tn, TILE).sum(dim=(1, 3))
+    dpow2 = tmax * gr.view(tm, TILE, tn, TILE).sum(dim=(1, 3))
+    return g.to(w_dtype, copy=True), dpow2 if bits is None else _bits_grad_torch(dpow2, *bits)
 
 
 @triton.jit
-def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, M, N, N8, TN,
-                 NOISE: tl.constexpr, BT: tl.constexpr):
-    """eq. 4 in Triton: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R)."""
+def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, db_ptr, seed_ptr, live_ptr, b_scale,
+                 M, N, N8, TN, NOISE: tl.constexpr, BT: tl.constexpr, CHAIN: tl.constexpr):
+    """eq. 4 in Triton: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R), and
+    with CHAIN ∂L/∂b from it (the formula above, `_bits_grad_torch`), cast to b's dtype."""
     ti, row, col, mask = _tile_block(M, N, BT)
     g = tl.load(g_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(dw_ptr + row * N + col, _cast(g, dw_ptr.dtype.element_ty), mask=mask)
@@ -714,21 +756,29 @@ def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, dpow2_ptr, seed_ptr, M, N, N8, 
     tidx = tl.program_id(0) * TN + ti
     tmask = ti < TN
     tmax = tl.load(tmax_ptr + tidx, mask=tmask, other=0.0)
-    tl.store(dpow2_ptr + tidx, tmax * s, mask=tmask)
+    d = tmax * s
+    if CHAIN:
+        live = tl.load(live_ptr + tidx, mask=tmask, other=0.0)
+        d = tl.where(live != 0, -((d * live) * 0.6931471805599453), 0.0) * b_scale
+    tl.store(db_ptr + tidx, _cast(d, db_ptr.dtype.element_ty), mask=tmask)
 
 
-def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None):
+def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None, bits=None):
+    """The kernel's (∂L/∂w, ∂L/∂(2^(1−b_t))), or (∂L/∂w, ∂L/∂b) with bits = (live, b_scale,
+    b_dtype) (live: `_pow2_live_torch`'s contiguous float32 tiles), as `_grad_torch`."""
     m, n = g.shape
     tm, tn = tmax.shape
     mode = _noise_mode(method, fused)
     key = "fused" if mode == 2 else "grad"
     bt, num_warps = bt or CONFIG[key + "_bt"], num_warps or CONFIG[key + "_warps"]
+    live, b_scale, b_dtype = bits if bits is not None else (tmax, 1.0, torch.float32)
     dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
-    dpow2 = torch.empty(tm, tn, dtype=torch.float32, device=g.device)
+    db = torch.empty(tm, tn, dtype=b_dtype, device=g.device)
     r = g if mode == 2 else noise
-    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, dpow2, seed, m, n, -(-n // 8), tn,
-                                            NOISE=mode, BT=bt, num_warps=num_warps)
-    return dw, dpow2
+    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, db, seed, live, float(b_scale),
+                                            m, n, -(-n // 8), tn, NOISE=mode, BT=bt,
+                                            CHAIN=bits is not None, num_warps=num_warps)
+    return dw, db
 
 
 # ==============================================================================================
@@ -745,21 +795,27 @@ def _regenerate(m, n, seed, method, impl, fused):
     return None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
 
 
-def _pqn_sample_impl(w: torch.Tensor, pow2: torch.Tensor, seed: torch.Tensor, method: str,
-                   out_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pqn_sample_impl(w: torch.Tensor, b: torch.Tensor, b_t: torch.Tensor, pow2: torch.Tensor,
+                     seed: torch.Tensor, method: str, out_dtype: torch.dtype, impl: str, fused: bool,
+                     b_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w_hat, tile maxima, `_pow2_live_torch`) of a call (eq. 3). b (the tensor ∂L/∂b goes to)
+    and b_scale serve the backward only (`_pqn_setup_context`)."""
     noise = _regenerate(*w.shape, seed, method, impl, fused)
     if impl == "torch":
-        return _apply_torch(w, noise, pow2, method, out_dtype)
-    return _apply_triton(w, noise, pow2, seed, method, out_dtype, fused)
+        return *_apply_torch(w, noise, pow2, method, out_dtype), _pow2_live_torch(b_t, pow2)
+    return _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, b_t=b_t)
 
 
-def _pqn_grad_impl(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, method: str,
-                 w_dtype: torch.dtype, impl: str, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pqn_grad_impl(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, live: torch.Tensor,
+                   method: str, w_dtype: torch.dtype, b_dtype: torch.dtype, impl: str, fused: bool,
+                   b_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(∂L/∂w, ∂L/∂b) of a call (eq. 4)."""
     g = g.contiguous()
     noise = _regenerate(*g.shape, seed, method, impl, fused)
+    bits = (live, b_scale, b_dtype)
     if impl == "torch":
-        return _grad_torch(g, noise, tmax, method, w_dtype)
-    return _grad_triton(g, noise, tmax, seed, method, w_dtype, fused)
+        return _grad_torch(g, noise, tmax, method, w_dtype, bits)
+    return _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bits=bits)
 
 
 _pqn_sample_op = triton_op("gaussws::pqn_sample", mutates_args=())(_pqn_sample_impl)
@@ -767,22 +823,26 @@ _pqn_grad_op = triton_op("gaussws::pqn_grad", mutates_args=())(_pqn_grad_impl)
 
 
 def _pqn_setup_context(ctx, inputs, output):
-    w, pow2, seed, method, out_dtype, impl, fused = inputs
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(output[1], seed)   # tile maxima + seed: R is regenerated, not stored
-    ctx.args = (method, w.dtype, impl, fused)
+    w, b, b_t, pow2, seed, method, out_dtype, impl, fused, b_scale = inputs
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)   # no zero-filled gradients for them: a launch each in eager code
+    # tile maxima + seed (R is regenerated, not stored), 2^(1-b_t) and the clamp mask for ∂L/∂b
+    ctx.save_for_backward(output[1], seed, output[2])
+    ctx.args = (method, w.dtype, b.dtype, impl, fused, b_scale)
     ctx.call = _call_of(seed)
 
 
-def _pqn_backward(ctx, g_w_hat, g_tmax):
+def _pqn_backward(ctx, g_w_hat, g_tmax, g_live):
     # the op's and _PQNSample's backward: the grad op where is_compiling() is true (as in torch
     # 2.13 while AOTAutograd traces a compiled backward), else the plain function, whose launches
     # go through wrap_triton under a tracing mode (_launch); so a compiled backward is right
     # either way, also with torch versions where is_compiling() is false there
-    tmax, seed = ctx.saved_tensors
+    tmax, seed, live = ctx.saved_tensors
     _check_recomputed_call(ctx.call, seed)
-    dw, dpow2 = _pqn_ops()[1](g_w_hat, tmax, seed, *ctx.args)
-    return dw, dpow2, None, None, None, None, None
+    if g_w_hat is None:                  # grads are not materialized: w_hat had none
+        return (None,) * 10
+    dw, db = _pqn_ops()[1](g_w_hat, tmax, seed, live, *ctx.args)
+    return dw, db, None, None, None, None, None, None, None, None
 
 
 _pqn_sample_op.register_autograd(_pqn_backward, setup_context=_pqn_setup_context)
@@ -801,12 +861,13 @@ class _PQNSample(torch.autograd.Function):
     backward = staticmethod(_pqn_backward)
 
 
-def _pqn_sample(w, pow2, seed, method, out_dtype, impl, fused):
-    """(w_hat, tile max) of eq. 3, differentiable: the torch.library op under torch.compile
-    (Inductor launches its kernels), the autograd.Function in eager code."""
+def _pqn_sample(*args):
+    """(w_hat, tile max, live) of eq. 3 from (w, b, b_t, pow2, seed, method, out_dtype, impl, fused,
+    b_scale), differentiable in w and b: the torch.library op under torch.compile (Inductor
+    launches its kernels), the autograd.Function in eager code."""
     if torch.compiler.is_compiling():
-        return torch.ops.gaussws.pqn_sample(w, pow2, seed, method, out_dtype, impl, fused)
-    return _PQNSample.apply(w, pow2, seed, method, out_dtype, impl, fused)
+        return torch.ops.gaussws.pqn_sample(*args)
+    return _PQNSample.apply(*args)
 
 
 def _pqn_ops():
@@ -817,11 +878,22 @@ def _pqn_ops():
     return _pqn_sample_impl, _pqn_grad_impl
 
 
-def _check_sample_args(w, b_t, method, impl, seed):
+def _check_sample_args(w, b_t, method, impl, seed, name="b_t"):
     _check_choice("method", method, METHODS)
     _check_weight(w)
-    _check_tiles(b_t, w, "b_t")
+    _check_tiles(b_t, w, name)
     return _resolve_impl(impl, w), _seed_tensor(seed, w.device)
+
+
+def _sample_bits(b, b_init=None, b_target=None):
+    """(b, b_t, 2^(1−b_t), b_scale) for the sample op: b_t = b itself (b_init None: the public
+    calls, b_scale 1) or eq. 11 of a layer's b = b_i (b_scale = b_init − b_target). b_t (float32,
+    contiguous) and 2^(1−b_t) carry no autograd history: the grad kernel returns ∂L/∂b itself."""
+    bd = b.detach()
+    if b_init is None:
+        return b, bd.float().contiguous(), _pow2(bd), 1.0
+    b_t = _bitwidth(bd, b_init, b_target)
+    return b, b_t, _pow2(b_t), b_init - b_target
 
 
 def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, impl="auto", fused=False):
@@ -838,35 +910,35 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     impl, seed = _check_sample_args(w, b_t, method, impl, seed)
     if out_dtype not in W_DTYPES:
         raise TypeError(f"out_dtype={out_dtype!r}; allowed: torch.float32, torch.bfloat16, torch.float16")
-    pow2 = _pow2(b_t)   # autograd: d pow2 / d b_t = -ln2 · pow2 (eq. 4), 0 where b_t is clamped
-    return _pqn_sample(w.contiguous(), pow2, seed, method, out_dtype, impl, fused)[0]
+    b, b_t, pow2, b_scale = _sample_bits(b_t)   # ∂L/∂b_t = 0 where b_t is clamped
+    return _pqn_sample(w.contiguous(), b, b_t, pow2, seed, method, out_dtype, impl, fused, b_scale)[0]
 
 
 class _RecomputeLinear(torch.autograd.Function):
     """y = F.linear(x, w_hat, bias) that keeps no w_hat for backward: it is rebuilt from
-    (w, 2^(1-b_t), seed) there ("recompute" memory mode)."""
+    (w, 2^(1-b_t), seed) there ("recompute" memory mode). b, b_t, pow2, b_scale: `_sample_bits`."""
 
     @staticmethod
-    def forward(ctx, x, w, pow2, seed, bias, method, impl, fused):
-        w_hat, tmax = _pqn_ops()[0](w, pow2, seed, method, x.dtype, impl, fused)
-        ctx.save_for_backward(x, w, pow2, seed, tmax)
-        ctx.args = (method, impl, fused, bias is not None)
+    def forward(ctx, x, w, b, b_t, pow2, seed, bias, method, impl, fused, b_scale):
+        w_hat, tmax, live = _pqn_ops()[0](w, b, b_t, pow2, seed, method, x.dtype, impl, fused, b_scale)
+        ctx.save_for_backward(x, w, b_t, pow2, seed, tmax, live)
+        ctx.args = (method, impl, fused, b.dtype, b_scale, bias is not None)
         ctx.call = _call_of(seed)
         return F.linear(x, w_hat, bias)
 
     @staticmethod
     def backward(ctx, gy):
-        x, w, pow2, seed, tmax = ctx.saved_tensors
+        x, w, b_t, pow2, seed, tmax, live = ctx.saved_tensors
         _check_recomputed_call(ctx.call, seed)
-        method, impl, fused, has_bias = ctx.args
+        method, impl, fused, b_dtype, b_scale, has_bias = ctx.args
         sample, grad = _pqn_ops()
-        w_hat, _ = sample(w, pow2, seed, method, x.dtype, impl, fused)
+        w_hat = sample(w, b_t, b_t, pow2, seed, method, x.dtype, impl, fused, b_scale)[0]   # b: unused
         gy2 = gy.reshape(-1, gy.shape[-1]).to(x.dtype)
         gx = (gy2 @ w_hat).view(x.shape)
         g_w_hat = gy2.t() @ x.reshape(-1, x.shape[-1])
-        dw, dpow2 = grad(g_w_hat, tmax, seed, method, w.dtype, impl, fused)
+        dw, db = grad(g_w_hat, tmax, seed, live, method, w.dtype, b_dtype, impl, fused, b_scale)
         gb = gy2.sum(0) if has_bias else None
-        return gx, dw, dpow2, None, gb, None, None, None
+        return gx, dw, db, None, None, None, gb, None, None, None, None
 
 
 def _compute_dtype(x):
@@ -886,20 +958,27 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
     memory="save": autograd keeps w_hat (paper, +2 B/param); "recompute": rebuilt in backward.
     Returns y (..., m).
     Raises TypeError (x or w dtype, seed type) / ValueError (shapes, memory, method, impl, seed)."""
+    return _pqt_linear(x, w, b_t, None, None, bias, seed, method, memory, impl, fused)
+
+
+def _pqt_linear(x, w, b, b_init, b_target, bias, seed, method, memory, impl, fused):
+    """`pqt_linear` with b_t from b as `_sample_bits` makes it: b = b_t (b_init None) or a
+    layer's b_i (eq. 11), whose gradient then comes from the grad kernel as it is."""
     _check_choice("memory", memory, MEMORY_MODES)
-    impl, seed = _check_sample_args(w, b_t, method, impl, seed)
+    impl, seed = _check_sample_args(w, b, method, impl, seed, "b_t" if b_init is None else "b_i")
     _check_dtype(x.dtype, "x")
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {w.shape[1]}")
     cd = _compute_dtype(x)
-    pow2 = _pow2(b_t)
+    b, b_t, pow2, b_scale = _sample_bits(b, b_init, b_target)
     if memory == "save":
-        w_hat = _pqn_sample(w.contiguous(), pow2, seed, method, cd, impl, fused)[0]
+        w_hat = _pqn_sample(w.contiguous(), b, b_t, pow2, seed, method, cd, impl, fused, b_scale)[0]
         return F.linear(x, w_hat, bias)
     xb = x.to(cd)
-    b = bias.to(cd) if bias is not None else None
+    bias = bias.to(cd) if bias is not None else None
     with torch.autocast(x.device.type, enabled=False):
-        return _RecomputeLinear.apply(xb, w.contiguous(), pow2, seed, b, method, impl, fused)
+        return _RecomputeLinear.apply(xb, w.contiguous(), b, b_t, pow2, seed, bias, method, impl, fused,
+                                      b_scale)
 
 
 # ==============================================================================================
@@ -1159,8 +1238,9 @@ class GaussWSLinear(nn.Linear):
         if not (self.training or self.sample_in_eval):
             return F.linear(x, w, self.bias)
         self._check_b_i_dtype()
-        return pqt_linear(x, w, self.b_t, self.bias, self._next_seed(), method=self.method,
-                          memory=self.memory, impl=self.impl, fused=self.fused)
+        # b_i itself goes in (not b_t = eq. 11 of it): the grad kernel returns ∂L/∂b_i
+        return _pqt_linear(x, w, self.b_i, self.b_init, self.b_target, self.bias, self._next_seed(),
+                           self.method, self.memory, self.impl, self.fused)
 
     def extra_repr(self):
         return (super().extra_repr() + f", method={self.method}, b_init={self.b_init}, "

@@ -2309,6 +2309,98 @@ def test_checkpoint_recomputing_another_call_raises(pattern, memory, reentrant):
 
 
 # ---------------------------------------------------------------------------------------------
+# ∂L/∂b_i inside the grad kernel: autograd's bits, no autograd ops after the kernel
+
+def _float_bits(t):
+    """The bit patterns of a float32 / bfloat16 tensor (torch.equal takes -0 for +0)."""
+    return t.contiguous().view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
+
+
+@pytest.mark.parametrize("impl,fused", [("torch", False), ("triton", False), ("triton", True)])
+def test_bits_grad_of_the_grad_kernel_is_autograds_bit_for_bit(impl, fused):
+    """The grad kernel's (and its torch twin's) ∂L/∂b equals, bit for bit, autograd through
+    2^(1 − clamp(b_t)) and eq. 11 applied to the same call's ∂L/∂2^(1−b_t): b = a layer's b_i
+    (eq. 11 with b_init − b_target = 2, 2.2 (not a float32) and 0) or b = b_t itself, float32 and
+    BF16, tiles inside, outside and at both ends of [B_MIN, B_MAX]; the sampling kernel's masked
+    2^(1−b_t) equals `_pow2_live_torch`."""
+    torch.manual_seed(41)
+    seed = torch.tensor([31337, 5], device=DEV)
+    for (m, n), (b_init, b_target), b_dtype in itertools.product(
+            ODD_SHAPES, [(6.0, 4.0), (6.3, 4.1), (5.0, 5.0), (None, None)], [torch.float32, torch.bfloat16]):
+        tm, tn = g.tile_grid(m, n)
+        b = torch.randn(tm, tn, device=DEV) * 8 + (6.0 if b_init is None else 0.5)
+        if b.numel() >= 3 and b_init != b_target:
+            b.view(-1)[1] = -3.0 if b_init is None else -10.0            # a clamped tile
+            if b_init != 6.3:                                            # the clamp's ends, exactly
+                b.view(-1)[0], b.view(-1)[-1] = (1.0, 24.0) if b_init is None else (-1.5, 10.0)
+        b = b.to(b_dtype)
+        _, b_t, pow2, b_scale = g._sample_bits(b, b_init, b_target)
+        w = torch.randn(m, n, device=DEV)
+        packed = g._generate_torch(m, n, seed, "gaussws")
+        gg = torch.randn(m, n, device=DEV).to(torch.bfloat16)
+        bits = (None, b_scale, b_dtype)
+        if impl == "torch":
+            _, tmax = g._apply_torch(w, packed, pow2, "gaussws", torch.bfloat16)
+            live = g._pow2_live_torch(b_t, pow2)
+            dw0, dpow2 = g._grad_torch(gg, packed, tmax, "gaussws", torch.float32)
+            dw, db = g._grad_torch(gg, packed, tmax, "gaussws", torch.float32, (live,) + bits[1:])
+        else:
+            r = None if fused else packed
+            _, tmax, live = g._apply_triton(w, r, pow2, seed, "gaussws", torch.bfloat16, fused, b_t=b_t)
+            assert torch.equal(_float_bits(live), _float_bits(g._pow2_live_torch(b_t, pow2)))
+            dw0, dpow2 = g._grad_triton(gg, r, tmax, seed, "gaussws", torch.float32, fused)
+            dw, db = g._grad_triton(gg, r, tmax, seed, "gaussws", torch.float32, fused, bits=(live,) + bits[1:])
+        leaf = b.clone().requires_grad_()
+        g._pow2(leaf if b_init is None else g._bitwidth(leaf, b_init, b_target)).backward(dpow2)
+        assert db.dtype == b_dtype and torch.equal(_float_bits(db), _float_bits(leaf.grad)), (m, n, b_init, b_dtype)
+        assert torch.equal(_float_bits(db), _float_bits(g._bits_grad_torch(dpow2, live, b_scale, b_dtype)))
+        assert torch.equal(dw, dw0) and torch.equal(dw, gg.float())
+        clamped = (b_t < g.B_MIN) | (b_t > g.B_MAX)
+        assert (db[clamped] == 0).all() and (live[clamped] == 0).all()
+        if b.numel() >= 3 and b_init != b_target:
+            assert clamped.any()
+
+
+@pytest.mark.parametrize("memory", ["save", "recompute"])
+def test_eager_backward_runs_no_op_on_the_tile_grid_but_the_grad_kernel(memory):
+    """An eager layer's backward gets ∂L/∂b_i from the grad kernel as it is: no aten op outside
+    the kernel launches writes a tensor of the tile grid's shape but allocations (the autograd ops
+    of 2^(1−b_t) and eq. 11 were 9 launches, and a zero-filled gradient of the tile maxima one
+    more)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+    torch.manual_seed(42)
+    layer = g.GaussWSLinear(45, 70, seed=3, impl="triton", memory=memory)
+    x = torch.randn(5, 45)
+    loss = layer(x).square().sum()
+    tiles, seen, inside = g.tile_grid(70, 45), [], [0]
+    run = InterpretedFunction.run
+
+    def launch(self, *a, **k):                  # the interpreter's own tensor copies do not count
+        inside[0] += 1
+        try:
+            return run(self, *a, **k)
+        finally:
+            inside[0] -= 1
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not inside[0] and isinstance(out, torch.Tensor) and tuple(out.shape) == tiles:
+                seen.append(func.overloadpacket.__name__)
+            return out
+    InterpretedFunction.run = launch
+    try:
+        with Ops():
+            loss.backward()
+    finally:
+        InterpretedFunction.run = run
+    # ∂L/∂b_i; "recompute" also the rebuilt sample's tile maxima and masked 2^(1−b_t)
+    assert set(seen) <= {"empty", "detach"} and seen.count("empty") == (1 if memory == "save" else 3), seen
+    assert layer.b_i.grad is not None and (layer.b_i.grad != 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
 # the layer and apply_pqt
 
 class _Block(nn.Module):
@@ -2515,7 +2607,9 @@ def test_eager_layer_skips_op_dispatch(monkeypatch):
     w = torch.randn(70, 45, requires_grad=True)
     b = torch.full(g.tile_grid(70, 45), 5.0, requires_grad=True)
     seed = torch.tensor([123, 4])
-    via_op = torch.ops.gaussws.pqn_sample(w, g._pow2(b), seed, "gaussws", torch.float32, "torch", False)[0]
+    b_, b_t, pow2, b_scale = g._sample_bits(b)
+    via_op = torch.ops.gaussws.pqn_sample(w, b_, b_t, pow2, seed, "gaussws", torch.float32, "torch", False,
+                                          b_scale)[0]
     via_op.square().sum().backward()
     grads = w.grad.clone(), b.grad.clone()
     w.grad = b.grad = None
