@@ -776,6 +776,17 @@ class AdamW4bit(torch.optim.Optimizer):
     master_weight_bits: None, or 24 (FlashOptim's name): each BF16 parameter gets an int8
                   state "param_correction", the rounding residual of eq. MW, so the weights the
                   step updates have 16 significant bits, not 8 (+1 B/param). RTN writes only.
+    capturable:   False, or True (as torch's optimizers' flag): the step counters are float32
+                  tensors on the parameters' device and the kernels read t and lr from device
+                  memory (the same float64 arithmetic as the host, _bias_table), so step() can
+                  run inside a torch.cuda.graph capture: lr must then be a 0-d CUDA tensor you
+                  update in place (lr.fill_(value)) and the gradients must stay where they were
+                  at the last step() outside capture (else RuntimeError, saying which). Outside
+                  a capture, on CUDA, step() replays its own launches as one CUDA graph (host
+                  time ~0.1 ms per step; captured again when the gradients move). A float lr is
+                  copied to the device each step. Not with FSDP2 (DTensor) parameters. Same
+                  results as False (bit for bit on the kernels; torch's fused AdamW of FP32-state
+                  FP32 tensors takes lr as float32).
 
     State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise;
@@ -783,7 +794,7 @@ class AdamW4bit(torch.optim.Optimizer):
     FSDP2 (fully_shard) parameters: eligibility from the global tensor, each rank steps its
     shard, states are DTensors that DCP reshards (see "FSDP2 (DTensor) parameters" above).
     state["step"] is a Python float (as in torch.optim before 1.12): no tensor op per parameter
-    and step.
+    and step; with capturable=True a float32 tensor (either kind loads into the other).
     A NaN or Inf gradient element poisons its whole block of block_size elements, where
     torch.optim.AdamW poisons only that element. At its step t only that parameter becomes NaN
     (the update uses the unquantized moments, like torch's AdamW), but the block's absmax, and so
