@@ -776,6 +776,8 @@ class AdamW4bit(torch.optim.Optimizer):
     master_weight_bits: None, or 24 (FlashOptim's name): each BF16 parameter gets an int8
                   state "param_correction", the rounding residual of eq. MW, so the weights the
                   step updates have 16 significant bits, not 8 (+1 B/param). RTN writes only.
+                  A parameter cast to FP32/FP16 later (model.to) takes its 24-bit master weight
+                  at its next step(); one cast to BF16 gets a zero correction there.
     capturable:   False, or True (as torch's optimizers' flag): the step counters are float32
                   tensors on the parameters' device and the kernels read t and lr from device
                   memory (the same float64 arithmetic as the host, _bias_table), so step() can
@@ -784,7 +786,10 @@ class AdamW4bit(torch.optim.Optimizer):
                   at the last step() outside capture (else RuntimeError, saying which). Outside
                   a capture, on CUDA, step() replays its own launches as one CUDA graph (host
                   time ~0.1 ms per step; captured again when the gradients move). A float lr is
-                  copied to the device each step. Not with FSDP2 (DTensor) parameters. Same
+                  copied to the device each step. Not with FSDP2 (DTensor) parameters. betas
+                  up to ~0.99999 (a float64 table of bias corrections per (betas, weight_decay),
+                  rebuilt with the step's plan when they change, so a momentum schedule such as
+                  OneCycleLR's is slow here). Same
                   results as False (bit for bit on the kernels; torch's fused AdamW of FP32-state
                   FP32 tensors takes lr as float32).
 
@@ -868,6 +873,11 @@ class AdamW4bit(torch.optim.Optimizer):
         self._plan_version += 1
         group = self.param_groups[-1]
         _check_hparams(group, f"param group {len(self.param_groups) - 1}: ")
+        if self.capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= _BIAS_ROWS_MAX
+                                   for b in group["betas"]):
+            raise ValueError(f"param group {len(self.param_groups) - 1}: capturable=True needs betas "
+                             f"whose bias corrections reach 1 within {_BIAS_ROWS_MAX} steps (beta < "
+                             f"~0.99999), got {tuple(group['betas'])}; use capturable=False")
         if not isinstance(group["quantize"], bool):
             raise TypeError(f"param group {len(self.param_groups) - 1}: quantize must be True (4-bit "
                             f"states where eligible) or False (FP32 states), got {group['quantize']!r}")
@@ -1119,6 +1129,9 @@ class AdamW4bit(torch.optim.Optimizer):
                 if self.capturable != torch.is_tensor(st["step"]):   # a state loaded from the other kind
                     st["step"] = torch.tensor(float(st["step"]), device=p.device) if self.capturable \
                         else float(st["step"])
+                if p.dtype not in KERNEL_DTYPES:      # e.g. model.double() after construction
+                    raise TypeError(f"AdamW4bit: parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; "
+                                    "allowed: float32, bfloat16, float16")
                 if p.grad.dtype not in KERNEL_DTYPES:
                     raise TypeError(f"AdamW4bit: the gradient of parameter {index} (shape {tuple(p.shape)}) "
                                     f"is {p.grad.dtype}; allowed: float32, bfloat16, float16")
@@ -1299,7 +1312,9 @@ class AdamW4bit(torch.optim.Optimizer):
         b1, b2 = group["betas"]
         key = ("bias", b1, b2, group["weight_decay"], device)
         bias = self._device_bufs.get(key)
-        if bias is None:
+        if bias is None:   # betas or wd changed (e.g. OneCycleLR's cycle_momentum): a new table
+            for k in [k for k in self._device_bufs if k[0] == "bias"][:-3]:
+                del self._device_bufs[k]           # keep the last few, not one per step
             bias = self._device_bufs[key] = _bias_table(b1, b2, group["weight_decay"]).to(device)
         return dict(step=state["step"], lr=self._device_lr(index, group, device), bias=bias,
                     rows=bias.shape[0], seed_term=self.seed * 1_000_003 % _SEED_MOD)
