@@ -1076,9 +1076,10 @@ class AdamW4bit(torch.optim.Optimizer):
 
         Quantized tensors go through the fused Triton kernel (adamw4bit_step_triton: one launch
         per group of tensors sharing step, gradient dtype and first-moment rule) or the reference
-        (adamw4bit_step_torch); FP32-state tensors through torch's fused AdamW on CUDA, the
-        reference loop elsewhere. Returns the closure's loss (None without a closure).
-        A step records its plan (groups, launch tables, the flat views of the FP32-state path) and
+        (adamw4bit_step_torch); FP32-state tensors through _adamw_kernel (16-bit parameters) or
+        torch's fused AdamW (FP32 ones) on CUDA, adamw_step_torch elsewhere. Returns the
+        closure's loss (None without a closure). capturable=True: see the class docstring.
+        A step records its plan (groups, launch tables, the fused-AdamW lists) and
         later steps replay it, with no Python per tensor beyond a signature check, while the
         parameters, which have gradients, their dtypes, the states (replaced by load_state_dict)
         and the groups are unchanged; gradients at new addresses only repoint the launch tables.
