@@ -333,7 +333,6 @@ def _noise_inputs(m, n):
 def bench_noise():
     """Paper A Figure 6: eq. 3 forward (generate + apply) at several shapes, vs torch and bm."""
     bw = copy_bandwidth()
-    fused_cfg = (g.CONFIG["fused_bt"], g.CONFIG["fused_warps"])
     print(f"\ncopy bandwidth (read+write): {bw / 1e12:.3f} TB/s; floor = numel * 7 B / that")
     hdr = (f"{'shape':>12s} {'eager':>8s} {'compiled':>8s} {'bm':>8s} {'ours':>8s} {'fused':>8s} {'diffq':>8s} "
            f"{'floor':>8s} {'ours_g':>8s} {'fused_g':>8s} {'comp_g':>8s} {'bwd':>8s} {'bwd_f':>8s} "
@@ -344,17 +343,16 @@ def bench_noise():
     print(hdr)
     out = []
     comp = torch.compile(torch_eq3, dynamic=False)
-    fbt, fnw = fused_cfg
     for m, n in SHAPES:
         w, bt, pow2, seed = _noise_inputs(m, n)
         gg = torch.randn(m, n, device="cuda").to(BF16)
         tmax = g.tile_max(w)
         ours = lambda: g._apply_triton(w, g._generate_triton(m, n, seed, "gaussws"), pow2, seed, "gaussws", BF16, False)
-        fused = lambda: g._apply_triton(w, None, pow2, seed, "gaussws", BF16, True, fbt, fnw)
+        fused = lambda: g._apply_triton(w, None, pow2, seed, "gaussws", BF16, True)
         bm = lambda: g._apply_triton(w, g._generate_triton(m, n, seed, "bm"), pow2, seed, "gaussws", BF16, False)
         dq = lambda: g._apply_triton(w, g._generate_triton(m, n, seed, "diffq"), pow2, seed, "diffq", BF16, False)
         bwd = lambda: g._grad_triton(gg, g._generate_triton(m, n, seed, "gaussws"), tmax, seed, "gaussws", torch.float32, False)
-        bwdf = lambda: g._grad_triton(gg, None, tmax, seed, "gaussws", torch.float32, True, fbt, fnw)
+        bwdf = lambda: g._grad_triton(gg, None, tmax, seed, "gaussws", torch.float32, True)
         packed = g._generate_triton(m, n, seed, "gaussws")
         comp(w, bt)  # compile outside the timing
         r = dict(shape=f"{m}x{n}", eager=_time(lambda: torch_eq3(w, bt)), compiled=_time(lambda: comp(w, bt)),
@@ -812,6 +810,8 @@ def build_parser():
     ap.add_argument("--modes", default="default", help="--only train: torch.compile modes of the GPT-2 comparison, "
                                                        "comma-separated (default, reduce-overhead)")
     ap.add_argument("--pairs", type=int, default=2, help="--only train: interleaved rounds of the GPT-2 comparison")
+    ap.add_argument("--methods", default="bf16,gaussws,diffq", help="--only train --table1: PQT methods (bf16 first)")
+    ap.add_argument("--optims", default="adamw,zipsr", help="--only train --table1: optimizers")
     import experiments
     experiments.add_quality_args(ap.add_argument_group("--only quality (as experiments.py quality)"),
                                  skip=("--dataset", "--iters"))
@@ -845,8 +845,10 @@ def main(argv=None):
         res = bench_train_gpt2(modes=args.modes.split(","), pairs=args.pairs)
         save("train", dict(res, partial=args.table1))
         if args.table1:
-            save("train", dict(rows=res["rows"] + bench_train(
-                compile=args.compile, on_row=lambda rows: save("train", dict(rows=res["rows"] + rows, partial=True)))["rows"]))
+            t1 = bench_train(optims=tuple(args.optims.split(",")), methods=tuple(args.methods.split(",")),
+                             compile=args.compile,
+                             on_row=lambda rows: save("train", dict(res, rows=res["rows"] + rows, partial=True)))
+            save("train", dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"]))
     if args.only == "ddp":
         if torch.cuda.device_count() < 2:
             raise SystemExit("--only ddp needs 2 GPUs")
