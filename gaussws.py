@@ -94,6 +94,7 @@ import torch.nn.functional as F
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from torch.library import triton_op, wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -124,6 +125,7 @@ CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4,
               fused_bt=4, fused_warps=4, small_apply=(12288, 1, 1), small_grad=(4096, 1, 2))
 
 _M32 = 0xFFFFFFFF
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # kernels run by Triton's CPU interpreter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -673,9 +675,18 @@ def _pow2_live_torch(b_t, pow2):
 
 
 @triton.jit
+def _add_rn(a, b, INTERPRET: tl.constexpr):
+    """a + b in float32, rounded on its own: never fused with the product before it into an FMA,
+    which the GPU compiler does to a plain `+` (the interpreter does not fuse)."""
+    if INTERPRET:
+        return a + b
+    return libdevice.add_rn(a, b)
+
+
+@triton.jit
 def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, b_ptr, live_ptr, b_target, b_scale,
                   M, N, N8, TN, NOISE: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr,
-                  B_LO: tl.constexpr, B_HI: tl.constexpr):
+                  B_LO: tl.constexpr, B_HI: tl.constexpr, INTERPRET: tl.constexpr):
     """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t). With
     BITS, 2^(1-b_t) is not read but made from b here (`_tile_bits_torch`), and written masked by
     the clamp range of b_t (`_pow2_live_torch`) for the backward: no launch of its own per call."""
@@ -686,9 +697,10 @@ def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, b_ptr, li
     tidx = tl.program_id(0) * TN + ti
     if BITS:
         b = tl.load(b_ptr + tidx, mask=tmask, other=0.0).to(tl.float32)
-        # eq. 11 as torch rounds it: the product once to float32, then the sum. The float64
-        # product is exact (24 x 24 bits), and a rounded product cannot fuse into an FMA
-        b_t = b_target + (b.to(tl.float64) * b_scale).to(tl.float32)
+        # eq. 11 as torch rounds it: the product to float32 (exact in float64, then rounded once),
+        # then the sum, rounded again. The scalars come in as float32 or (from Inductor) float64
+        p = (b.to(tl.float64) * b_scale).to(tl.float32)
+        b_t = _add_rn(p, (tl.zeros_like(p) + b_target).to(tl.float32), INTERPRET)
         pow2 = tl.exp2(1.0 - tl.where(b_t < B_LO, B_LO, tl.where(b_t > B_HI, B_HI, b_t)))   # torch's clamp, NaN kept
         tl.store(live_ptr + tidx, tl.where((b_t >= B_LO) & (b_t <= B_HI), pow2, 0.0), mask=tmask)
     else:
@@ -717,7 +729,7 @@ def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_w
     _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, tmax if pow2 is None else pow2, w_hat, tmax, seed,
                                              b, live, float(b_target), float(b_scale), m, n, -(-n // 8), tn,
                                              NOISE=mode, BT=bt, BITS=bits is not None, B_LO=B_MIN,
-                                             B_HI=B_MAX, num_warps=num_warps)
+                                             B_HI=B_MAX, INTERPRET=_INTERPRET, num_warps=num_warps)
     return (w_hat, tmax) if bits is None else (w_hat, tmax, live)
 
 

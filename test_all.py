@@ -2322,10 +2322,10 @@ def test_bits_grad_of_the_grad_kernel_is_autograds_bit_for_bit(impl, fused):
     2^(1 − clamp(b_t)) and eq. 11 applied to the same call's ∂L/∂2^(1−b_t): b = a layer's b_i
     (eq. 11 with b_init − b_target = 2, 2.2 (not a float32) and 0) or b = b_t itself, float32 and
     BF16, tiles inside, outside and at both ends of [B_MIN, B_MAX]. The sampling kernel makes b_t
-    and the masked 2^(1−b_t) itself: b_t's clamp mask is `_pow2_live_torch`'s, 2^(1−b_t) is torch's
-    exp2 bit for bit on a GPU and within 1 ulp under the interpreter (numpy's exp2 is not torch's
-    CPU exp2: they differ in the last bit for ~6 % of inputs); where the two exp2 agree, ∂L/∂b is
-    autograd's bit for bit."""
+    and the masked 2^(1−b_t) itself: b_t's clamp mask is `_pow2_live_torch`'s, and its exp2 is not
+    torch's: within 1 ulp under the interpreter (numpy's exp2 against torch's CPU exp2: they differ
+    in the last bit for ~6 % of inputs), within 4 on a GPU (ex2.approx against CUDA's exp2f, 2 ulp
+    each at most). Where the two exp2 agree, ∂L/∂b is autograd's bit for bit."""
     torch.manual_seed(41)
     seed = torch.tensor([31337, 5], device=DEV)
     for (m, n), (b_init, b_target), b_dtype in itertools.product(
@@ -2358,7 +2358,7 @@ def test_bits_grad_of_the_grad_kernel_is_autograds_bit_for_bit(impl, fused):
             ref = g._pow2_live_torch(b_t, pow2)
             assert torch.equal(live != 0, ref != 0)                        # the clamp mask, ends included
             ulps = (_float_bits(live) - _float_bits(ref)).abs()
-            assert ulps.max() <= (0 if DEV == "cuda" else 1), ulps.max()
+            assert ulps.max() <= (4 if DEV == "cuda" else 1), ulps.max()
             agree = ulps == 0
             assert agree.float().mean() > 0.8
             # w_hat as the reference makes it from the kernel's own 2^(1−b_t)
@@ -3518,10 +3518,12 @@ def test_gpu_cuda_graph_capture_advances_the_counter():
 @needs_compiled
 @needs_cuda
 def test_gpu_sampling_kernel_bits_equal_torch_eager_and_compiled():
-    """On CUDA the sampling kernel's own b_t and 2^(1−b_t) (eq. 11, eq. 3) are torch's bit for
-    bit: w_hat, tile maxima, masked 2^(1−b_t) and ∂L/∂b_i equal the reference's (torch's exp2 and
-    eq. 11's two roundings, b_init − b_target = 2.2 not a float32), eagerly and under
-    torch.compile, over b_t across [B_MIN, B_MAX] and beyond."""
+    """On CUDA, eagerly and under torch.compile (where Inductor passes the scalars as float64), the
+    sampling kernel's b_t has eq. 11's two float32 roundings (b_init − b_target = 2.2, not a
+    float32: no FMA), so its clamp mask is torch's; its 2^(1−b_t) is within 4 ulp of torch's exp2;
+    w_hat and tile maxima are the reference's from that 2^(1−b_t) bit for bit; eager and compiled
+    calls give the same bits (w_hat, masked 2^(1−b_t), ∂L/∂b_i); b_t across [B_MIN, B_MAX] and
+    beyond."""
     dev, BF16 = "cuda", torch.bfloat16
     torch.manual_seed(35)
     m, n = 3072, 768
@@ -3534,17 +3536,23 @@ def test_gpu_sampling_kernel_bits_equal_torch_eager_and_compiled():
     for bits in [(4.1, 2.2), (4.0, 2.0), (0.0, 1.0)]:
         b = (torch.rand(tiles, device=dev) * 30 - 4) if bits[0] == 0 else (torch.rand(tiles, device=dev) * 12 - 3)
         b_t, pow2 = g._tile_bits_torch(b, *bits)
-        ref = g._apply_torch(w, g._generate_torch(m, n, seed, "gaussws"), pow2, "gaussws", BF16)
         live = g._pow2_live_torch(b_t, pow2)
-        grads = []
+        outs = []
         for fn in (sample, comp):
             leaf = b.clone().requires_grad_()
             out = fn(leaf, *bits)
-            assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), bits
-            assert torch.equal(_float_bits(out[2]), _float_bits(live)), bits
             out[0].backward(gg)
-            grads.append(leaf.grad)
-        assert torch.equal(_float_bits(grads[0]), _float_bits(grads[1])), bits
+            outs.append((*out, leaf.grad))
+        for x, y in zip(*outs):
+            assert torch.equal(_float_bits(x), _float_bits(y)), bits        # eager = compiled
+        w_hat, tmax, own, db = outs[0]
+        assert torch.equal(own != 0, live != 0), bits
+        ulps = (_float_bits(own) - _float_bits(live)).abs().max().item()
+        print(f"b_target, b_scale = {bits}: 2^(1-b_t) max {ulps} ulp from torch's exp2")
+        assert ulps <= 4, (bits, ulps)
+        ref = g._apply_torch(w, g._generate_torch(m, n, seed, "gaussws"), torch.where(own != 0, own, pow2), "gaussws", BF16)
+        assert torch.equal(w_hat, ref[0]) and torch.equal(tmax, ref[1]), bits
+        grads = [db]
         dpow2 = g._grad_torch(gg, g._generate_torch(m, n, seed, "gaussws"), ref[1], "gaussws", torch.float32)[1]
         leaf = b.clone().requires_grad_()
         g._pow2(leaf if bits[0] == 0 else g._bitwidth(leaf, bits[0] + bits[1], bits[0])).backward(dpow2)
