@@ -900,9 +900,11 @@ def main(argv=None):
     if args.only == "fsdp":   # GaussWS + ZIP-SR as users run train.py on CUDA: compiled (--eager: not)
         flags = ["--preset", "gpt2-124m", "--dataset", args.dataset, "--tokenizer", "byte", "--method", "gaussws",
                  "--optim", "zipsr", "--batch_size", "16", "--grad_accum", "2", "--max_iters", str(args.iters or 40),
-                 "--eval_interval", "1000", "--eval_windows", "16", "--no-plot"] + (["--no-compile"] if args.eager else [])
+                 "--eval_interval", "1000", "--eval_windows", "16", "--no-plot"]
+        flags += ["--no-compile"] if args.eager else []
         save("fsdp_eager" if args.eager else "fsdp",
              bench_fsdp(flags, reps=args.reps, command="python bench.py " + shlex.join(argv)))
+
 
 if __name__ == "__main__":
     main()

@@ -4798,7 +4798,8 @@ def test_train_fsdp_compiled_one_rank_equals_plain_compiled_bit_for_bit(corpus, 
     train.main(base_args(corpus, tmp_path / "p", *args))
     torch._dynamo.reset()
     assert summary["world"] == 1 and len(plain_graphs) == 1 and fsdp_graphs == plain_graphs
-    steps = lambda d: [(r["loss"], r["grad_norm"], r["b_t_mean"]) for r in read_log(d) if r["type"] == "step"]  # noqa: E731
+    steps = lambda d: [(r["loss"], r["grad_norm"], r["b_t_mean"])  # noqa: E731
+                       for r in read_log(d) if r["type"] == "step"]
     assert len(steps(tmp_path / "f")) == 3 and steps(tmp_path / "f") == steps(tmp_path / "p")
     dcp_to_torch_save(str(tmp_path / "f" / "ckpt"), str(tmp_path / "f.pt"))
     sharded = torch.load(tmp_path / "f.pt", weights_only=False)["model"]
