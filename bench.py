@@ -11,7 +11,8 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only train    # GPT-2-124M compiled: bf16 vs GaussWS vs plain-PyTorch eq. 3
     python bench.py --only train --table1 --compile   # + paper A Table 1 (llama-134m ... 70b-4l)
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
-    python bench.py --only fsdp              # train.py --fsdp under torchrun vs the plain path, same GPUs
+    python bench.py --only fsdp              # train.py --fsdp under torchrun vs the plain path, same GPU, compiled
+    python bench.py --only fsdp --eager      # the same with train.py --no-compile
 
 The paper-reproduction runs and the figures live in experiments.py; these two run its code:
 
@@ -728,12 +729,16 @@ def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
                 one=out[1], many=out[nproc], nproc=nproc)
 
 
-def bench_fsdp(train_args, out_dir="out-fsdp", nproc=1, reps=2):
+def bench_fsdp(train_args, out_dir="out-fsdp", nproc=1, reps=3, warmup=10, command=None):
     """train.py in one process and train.py --fsdp under torchrun with nproc processes, the same
-    flags, alternated `reps` times (the GPU's clock drifts between runs). With nproc = 1 the FSDP2
-    path must give the plain path's numbers: the step losses, grad norms and final weights are
-    compared exactly (the DCP folder read back with dcp_to_torch_save). Returns both runs'
-    losses, tokens/s per repetition and the differences."""
+    flags, interleaved `reps` times (plain, fsdp, plain, fsdp, ...: the GPU's clock drifts between
+    runs). A run's step time is the median of its logged step times from step `warmup` on: the
+    first steps hold torch.compile's work and the first launches of every Triton kernel
+    (train.py's own tokens/s, also kept, skips 5 steps). With nproc = 1 the FSDP2 path must give
+    the plain path's numbers: step losses, grad norms and final weights are compared (the DCP
+    folder read back with dcp_to_torch_save), beside the plain-vs-plain and fsdp-vs-fsdp
+    differences of the same repetitions (the GPU step is not deterministic run to run). Returns
+    every run's losses and step time, the per-repetition step-time ratios, their median and mean."""
     import subprocess
     import sys
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -746,33 +751,69 @@ def bench_fsdp(train_args, out_dir="out-fsdp", nproc=1, reps=2):
             launch = [sys.executable] if kind == "plain" else [
                 sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
             extra = ["--fsdp"] if kind == "fsdp" else []
+            t0 = time.time()
             r = subprocess.run([*launch, os.path.join(here, "train.py"), *train_args, *extra, "--out_dir", run_dir,
                                 "--overwrite"], env=env, capture_output=True, text=True)
             if r.returncode:
                 raise RuntimeError(f"{kind} run failed:\n{r.stderr[-3000:]}")
             with open(os.path.join(run_dir, "log.jsonl")) as f:
                 recs = [json.loads(line) for line in f]
+            steps = [x for x in recs if x["type"] == "step"]
+            if len(steps) <= warmup:
+                raise ValueError(f"{len(steps)} steps: need more than warmup={warmup} (raise --iters)")
             summary = [x for x in recs if x["type"] == "summary"][-1]
-            out[kind].append(dict(step_loss=[x["loss"] for x in recs if x["type"] == "step"],
-                                  grad_norm=[x["grad_norm"] for x in recs if x["type"] == "step"],
+            out[kind].append(dict(step_loss=[x["loss"] for x in steps], grad_norm=[x["grad_norm"] for x in steps],
                                   val_loss=[x["val_loss"] for x in recs if x["type"] == "eval"],
+                                  step_ms=statistics.median(x["dt_ms"] for x in steps[warmup:]),
+                                  first_step_ms=steps[0]["dt_ms"], wall_s=time.time() - t0,
                                   tokens_per_s=summary["tokens_per_s"], peak_mem_mb=summary["peak_mem_mb"]))
-    plain = torch.load(os.path.join(out_dir, "plain0", "ckpt.pt"), map_location="cpu", weights_only=True)["model"]
-    dcp_to_torch_save(os.path.join(out_dir, "fsdp0", "ckpt"), os.path.join(out_dir, "fsdp0.pt"))
-    fsdp = torch.load(os.path.join(out_dir, "fsdp0.pt"), map_location="cpu", weights_only=False)["model"]
+            print(f"rep {rep} {kind:5s}: step {out[kind][-1]['step_ms']:.1f} ms (median of steps {warmup}+), "
+                  f"step 0 {steps[0]['dt_ms'] / 1000:.1f} s, run {out[kind][-1]['wall_s']:.0f} s", flush=True)
+
+    def weights(kind, rep):
+        if kind == "plain":
+            return torch.load(os.path.join(out_dir, f"plain{rep}", "ckpt.pt"), map_location="cpu",
+                              weights_only=True)["model"]
+        dcp_to_torch_save(os.path.join(out_dir, f"fsdp{rep}", "ckpt"), os.path.join(out_dir, f"fsdp{rep}.pt"))
+        return torch.load(os.path.join(out_dir, f"fsdp{rep}.pt"), map_location="cpu", weights_only=False)["model"]
+
+    def max_diff(a, b):
+        return max(abs(x - y) for x, y in zip(a, b))
+
+    plain, fsdp = weights("plain", 0), weights("fsdp", 0)
     a, b = out["plain"][0], out["fsdp"][0]
     res = dict(same_keys=sorted(plain) == sorted(fsdp),
                max_abs_weight_diff=max((plain[k].double() - fsdp[k].double()).abs().max().item() for k in plain),
-               max_abs_step_loss_diff=max(abs(x - y) for x, y in zip(a["step_loss"], b["step_loss"])),
-               max_abs_grad_norm_diff=max(abs(x - y) for x, y in zip(a["grad_norm"], b["grad_norm"])),
+               max_abs_step_loss_diff=max_diff(a["step_loss"], b["step_loss"]),
+               max_abs_grad_norm_diff=max_diff(a["grad_norm"], b["grad_norm"]),
                tokens_per_s={k: [r["tokens_per_s"] for r in v] for k, v in out.items()})
+    if reps > 1:   # how far two plain runs drift apart: the scale for the plain-vs-fsdp differences
+        other = weights("plain", 1)
+        res["max_abs_weight_diff_plain_plain"] = max((plain[k].double() - other[k].double()).abs().max().item()
+                                                     for k in plain)
+    for key in ("step_loss", "grad_norm"):
+        res[f"max_abs_{key}_diff_per_rep"] = {
+            "plain_fsdp": [max_diff(p[key], f[key]) for p, f in zip(out["plain"], out["fsdp"])],
+            "plain_plain": [max_diff(out["plain"][0][key], p[key]) for p in out["plain"][1:]],
+            "fsdp_fsdp": [max_diff(out["fsdp"][0][key], f[key]) for f in out["fsdp"][1:]]}
     tp = res["tokens_per_s"]
+    # the earlier measure, kept: mean tokens/s (train.py's, steps 5+) of the plain runs over the fsdp runs
     res["fsdp_step_time_vs_plain"] = (sum(tp["plain"]) / len(tp["plain"])) / (sum(tp["fsdp"]) / len(tp["fsdp"])) - 1
-    print(f"FSDP2 x{nproc} vs plain: weights max |d| {res['max_abs_weight_diff']:.3g}, step loss max |d| "
-          f"{res['max_abs_step_loss_diff']:.3g}, grad norm max |d| {res['max_abs_grad_norm_diff']:.3g}; tokens/s "
-          f"plain {tp['plain']}, fsdp {tp['fsdp']}: FSDP2 step time {100 * res['fsdp_step_time_vs_plain']:+.2f} %")
-    return dict(command=f"python bench.py --only fsdp  # train.py {' '.join(train_args)}", nproc=nproc,
-                plain=out["plain"], fsdp=out["fsdp"], **res)
+    ratios = [f["step_ms"] / p["step_ms"] - 1 for p, f in zip(out["plain"], out["fsdp"])]
+    res.update(warmup_steps=warmup, step_time_ratio_per_rep=ratios, step_time_ratio_median=statistics.median(ratios),
+               step_time_ratio_mean=sum(ratios) / len(ratios))
+    d = res["max_abs_step_loss_diff_per_rep"]
+    print(f"FSDP2 x{nproc} vs plain: weights max |d| {res['max_abs_weight_diff']:.3g}"
+          + (f" (plain-plain {res['max_abs_weight_diff_plain_plain']:.3g})" if reps > 1 else "")
+          + f"; step loss max |d| plain-fsdp {d['plain_fsdp']}, plain-plain {d['plain_plain']}, fsdp-fsdp "
+          f"{d['fsdp_fsdp']}; grad norm max |d| (rep 0) {res['max_abs_grad_norm_diff']:.3g}")
+    print(f"step ms plain {[round(r['step_ms'], 2) for r in out['plain']]}, fsdp "
+          f"{[round(r['step_ms'], 2) for r in out['fsdp']]}: FSDP2 step time per repetition "
+          + ", ".join(f"{100 * x:+.2f} %" for x in ratios)
+          + f"; median {100 * res['step_time_ratio_median']:+.2f} %, mean {100 * res['step_time_ratio_mean']:+.2f} % "
+          f"(mean tokens/s ratio {100 * res['fsdp_step_time_vs_plain']:+.2f} %)")
+    return dict(command=command or f"python bench.py --only fsdp  # train.py {' '.join(train_args)}", nproc=nproc,
+                reps=reps, train_args=train_args, plain=out["plain"], fsdp=out["fsdp"], **res)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -812,6 +853,9 @@ def build_parser():
     ap.add_argument("--pairs", type=int, default=2, help="--only train: interleaved rounds of the GPT-2 comparison")
     ap.add_argument("--methods", default="bf16,gaussws,diffq", help="--only train --table1: PQT methods (bf16 first)")
     ap.add_argument("--optims", default="adamw,zipsr", help="--only train --table1: optimizers")
+    ap.add_argument("--eager", action="store_true", help="--only fsdp: train.py --no-compile")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="--only fsdp: interleaved repetitions (plain, fsdp, plain, fsdp, ...)")
     import experiments
     experiments.add_quality_args(ap.add_argument_group("--only quality (as experiments.py quality)"),
                                  skip=("--dataset", "--iters"))
@@ -855,11 +899,13 @@ def main(argv=None):
         save("ddp", bench_ddp(["--preset", "gpt2-124m", "--dataset", args.dataset, "--batch_size", "16",
                                "--grad_accum", "2", "--max_iters", str(args.iters or 300), "--eval_interval", "50",
                                "--eval_windows", "64", "--no-plot"]))
-    if args.only == "fsdp":   # GaussWS + ZIP-SR, eager: the FSDP2 path's own cost, not compile's
-        save("fsdp", bench_fsdp(["--preset", "gpt2-124m", "--dataset", args.dataset, "--tokenizer", "byte",
-                                 "--method", "gaussws", "--optim", "zipsr", "--batch_size", "16",
-                                 "--grad_accum", "2", "--max_iters", str(args.iters or 40), "--eval_interval",
-                                 "1000", "--eval_windows", "16", "--no-compile", "--no-plot"]))
+    if args.only == "fsdp":   # GaussWS + ZIP-SR as users run train.py on CUDA: compiled (--eager: not)
+        flags = ["--preset", "gpt2-124m", "--dataset", args.dataset, "--tokenizer", "byte", "--method", "gaussws",
+                 "--optim", "zipsr", "--batch_size", "16", "--grad_accum", "2", "--max_iters", str(args.iters or 40),
+                 "--eval_interval", "1000", "--eval_windows", "16", "--no-plot"]
+        flags += ["--no-compile"] if args.eager else []
+        save("fsdp_eager" if args.eager else "fsdp",
+             bench_fsdp(flags, reps=args.reps, command="python bench.py " + shlex.join(argv)))
 
 
 if __name__ == "__main__":

@@ -321,6 +321,11 @@ def check_fsdp_flags(parser, args):
                      "FSDP2; use --param_rounding sr or DDP")
     if args.capturable:
         parser.error("--fsdp with --capturable: not supported under FSDP2; drop --capturable or use DDP")
+    if args.compile and args.compile_mode in ("reduce-overhead", "max-autotune"):
+        # CUDA graphs replay fixed parameter addresses; FSDP2 frees the gathered parameters after
+        # each step's last backward and gathers them into new memory before the next forward
+        parser.error(f"--fsdp with --compile_mode {args.compile_mode}: CUDA graphs are not supported under "
+                     "FSDP2; use --compile_mode default or max-autotune-no-cudagraphs, or --no-compile")
 
 
 def check_optimizer_flags(parser, args):
@@ -485,7 +490,11 @@ def shard_model(model, world):
     and are all-gathered around each unit's forward and backward, so GaussWS layers see the whole
     weight and b_i (their noise counters are buffers, replicated and advancing alike on every
     rank: R is the unsharded layer's). The master weights stay FP32 and autocast runs inside, as
-    without FSDP2."""
+    without FSDP2. train() then compiles the wrapped model as it does the plain one: Dynamo skips
+    FSDP2's hooks (they run eagerly), so with one rank the root's hooks run around one graph of the
+    whole forward, the plain path's; with more ranks the hooks around each block break the graph
+    inside GPT.forward's loop, Dynamo runs that frame eagerly and compiles Block.forward (one
+    graph for all blocks; embeddings, final norm, LM head and loss stay eager)."""
     from torch.distributed.fsdp import fully_shard
     if world > 1:
         for block in model.blocks:
