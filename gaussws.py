@@ -85,6 +85,7 @@ import math
 import os
 import random
 import re
+import struct
 import warnings
 
 import torch
@@ -120,7 +121,7 @@ W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # weight dtypes the 
 # small weights (GPT-2's, a 1B model's): one tile per program, 4x more programs, fills the GPU
 # better there (12-18 % faster on the H200; results/README.md, section 7)
 CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4, grad_warps=4,
-              fused_bt=4, fused_warps=4, small_apply=(12288, 1, 1), small_grad=(4096, 1, 2))
+              fused_bt=4, fused_warps=4, small_apply=(16384, 1, 1), small_grad=(4096, 1, 2))
 
 _M32 = 0xFFFFFFFF
 
@@ -566,6 +567,12 @@ def _noise_mode(method, fused):
     return 1 if method == "diffq" else (2 if fused else 0)
 
 
+def _f32(x):
+    """A Python float rounded to float32, as torch rounds the scalar operand of a float32 tensor
+    op (eq. 11's b_init − b_target in the grad kernel is one, e.g. 2.2)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def _launch_config(kernel, mode, tiles):
     """(BT, num_warps) of the apply or grad kernel (kernel "apply" | "grad") for a weight of
     `tiles` tiles, from CONFIG."""
@@ -770,7 +777,9 @@ def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, db_ptr, seed_ptr, live_ptr, b_s
     d = tmax * s
     if CHAIN:
         live = tl.load(live_ptr + tidx, mask=tmask, other=0.0)
-        d = tl.where(live != 0, -((d * live) * 0.6931471805599453), 0.0) * b_scale
+        # b_scale is a float32 value; Inductor passes it as float64: the float64 product of two
+        # float32 values is exact, so rounding it once gives the float32 product either way
+        d = (tl.where(live != 0, -((d * live) * 0.6931471805599453), 0.0) * b_scale).to(tl.float32)
     tl.store(db_ptr + tidx, _cast(d, db_ptr.dtype.element_ty), mask=tmask)
 
 
@@ -786,7 +795,7 @@ def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warp
     dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
     db = torch.empty(tm, tn, dtype=b_dtype, device=g.device)
     r = g if mode == 2 else noise
-    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, db, seed, live, float(b_scale),
+    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, db, seed, live, _f32(b_scale),
                                             m, n, -(-n // 8), tn, NOISE=mode, BT=bt,
                                             CHAIN=bits is not None, num_warps=num_warps)
     return dw, db

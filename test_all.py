@@ -2361,6 +2361,33 @@ def test_bits_grad_of_the_grad_kernel_is_autograds_bit_for_bit(impl, fused):
             assert clamped.any()
 
 
+def test_grad_kernel_compiles_for_a_gpu_with_inductors_float64_scalars():
+    """Inductor hands a Triton kernel's Python-float arguments over as float64 (a direct launch
+    types them float32): the grad kernel must compile for a GPU both ways, with ∂L/∂b_i in
+    float32 and BF16, and round b_scale's float64 product to float32 itself. Compiled here for an
+    sm_90 target (no GPU needed), in a process without the interpreter."""
+    code = """
+import sys, triton
+import gaussws as g
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+for ft in ("fp32", "fp64"):
+    for bd in ("fp32", "bf16"):
+        sig = dict(g_ptr="*bf16", r_ptr="*bf16", tmax_ptr="*fp32", dw_ptr="*fp32", db_ptr="*" + bd,
+                   seed_ptr="*i64", live_ptr="*fp32", b_scale=ft, M="i32", N="i32", N8="i32", TN="i32",
+                   NOISE="constexpr", BT="constexpr", CHAIN="constexpr")
+        src = ASTSource(fn=g._grad_kernel, signature=sig, constexprs=dict(NOISE=2, BT=1, CHAIN=True))
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        assert ("mul.f64" in ptx) == (ft == "fp64"), (ft, bd)
+        print(ft, bd, "compiled")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    r = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("compiled") == 4
+
+
 @pytest.mark.parametrize("memory", ["save", "recompute"])
 def test_eager_backward_runs_no_op_on_the_tile_grid_but_the_grad_kernel(memory):
     """An eager layer's backward gets ∂L/∂b_i from the grad kernel as it is: no aten op outside
