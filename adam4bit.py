@@ -702,6 +702,13 @@ def _check_hparams(h, where):
         raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
 
 
+def _hparams_key(group):
+    """What `_check_hparams` looks at in a group, comparable without reading a tensor lr."""
+    lr, betas = group["lr"], group["betas"]
+    return (id(lr) if torch.is_tensor(lr) else lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+            group["eps"], group["weight_decay"])
+
+
 def _quantizer_config(preset, block_size, m_codebook, m_rounding, v_codebook, v_rounding, eden,
                       lm_head_sr_after):
     """The preset's components with the given overrides (None keeps the preset's; for
@@ -863,21 +870,26 @@ class AdamW4bit(torch.optim.Optimizer):
         self.progress = 0.0
         self._lm_head = set()
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, quantize=True)
+        self._checked = {}         # group index -> _hparams_key at its last check
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
         """torch's add_param_group, then checks the group's hyperparameters (every group, also
         those given to the constructor) and that its parameters are float32, bfloat16 or float16
-        (the step's math is float32: float64 would silently lose precision)."""
+        (the step's math is float32: float64 would silently lose precision). A group that fails
+        a check is not kept."""
         super().add_param_group(param_group)
         self._plan_version += 1
-        group = self.param_groups[-1]
-        _check_hparams(group, f"param group {len(self.param_groups) - 1}: ")
-        if self.capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= _BIAS_ROWS_MAX
-                                   for b in group["betas"]):
-            raise ValueError(f"param group {len(self.param_groups) - 1}: capturable=True needs betas "
-                             f"whose bias corrections reach 1 within {_BIAS_ROWS_MAX} steps (beta < "
-                             f"~0.99999), got {tuple(group['betas'])}; use capturable=False")
+        try:
+            self._check_new_group(self.param_groups[-1])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            self._checked.pop(len(self.param_groups), None)
+            raise
+
+    def _check_new_group(self, group):
+        """add_param_group's checks of the group just appended."""
+        self._check_group(len(self.param_groups) - 1, group)
         if not isinstance(group["quantize"], bool):
             raise TypeError(f"param group {len(self.param_groups) - 1}: quantize must be True (4-bit "
                             f"states where eligible) or False (FP32 states), got {group['quantize']!r}")
@@ -1070,6 +1082,27 @@ class AdamW4bit(torch.optim.Optimizer):
         self._lm_head |= {id(params[i]) for i in extra.get("lm_head", [])}
 
     # ---- step ---------------------------------------------------------------------------------
+    def _check_group(self, gi, group, lr_value=True):
+        """The hyperparameter checks of group gi (`_check_hparams`; with capturable=True, betas whose
+        bias corrections reach 1 within the table's rows). lr_value=False skips a tensor lr's
+        value (reading it waits for the GPU)."""
+        where = f"param group {gi}: "
+        _check_hparams(group if lr_value or not torch.is_tensor(group["lr"]) else dict(group, lr=0.0), where)
+        if self.capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= _BIAS_ROWS_MAX
+                                   for b in group["betas"]):
+            raise ValueError(f"{where}capturable=True needs betas whose bias corrections reach 1 within "
+                             f"{_BIAS_ROWS_MAX} steps (beta < ~0.99999), got {tuple(group['betas'])}; use "
+                             "capturable=False")
+        self._checked[gi] = _hparams_key(group)
+
+    def _check_changed_groups(self):
+        """Checks again each group whose lr, betas, eps or weight_decay changed since its last check
+        (a scheduler, user code, load_state_dict): a bad value is a clear error before the step, not
+        a NaN weight or a math error inside it. One tuple comparison per group and step."""
+        for gi, group in enumerate(self.param_groups):
+            if self._checked.get(gi) != _hparams_key(group):
+                self._check_group(gi, group, lr_value=False)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step over all parameters with a gradient (update-before-storage).
@@ -1090,6 +1123,7 @@ class AdamW4bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_changed_groups()
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         capturing = self.capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         params = self._params()

@@ -664,6 +664,33 @@ def test_optimizer_bad_arguments():
         A.AdamW4bit(ps, lr="1e-3")
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+def test_hyperparameters_changed_after_construction_are_checked_at_step(capturable):
+    """A group's lr, betas, eps or weight_decay set after construction (a scheduler, user code)
+    gets the constructor's checks at the next step(): a ValueError naming the group, the
+    hyperparameter and its value, before any tensor is written; a valid change steps as usual."""
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    opt = A.AdamW4bit([p], lr=1e-3, capturable=capturable)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    for key, value, says in [("lr", float("nan"), "lr must be finite"), ("lr", -1.0, "lr must be finite"),
+                             ("betas", (0.9, 1.5), "betas must be two numbers"), ("betas", 0.9, "betas"),
+                             ("betas", (1.0, 0.999), "betas"), ("eps", 0.0, "eps must be finite"),
+                             ("weight_decay", float("inf"), "weight_decay")]:
+        good = opt.param_groups[0][key]
+        opt.param_groups[0][key] = value
+        before = p.detach().clone()
+        with pytest.raises(ValueError, match=f"param group 0: {says}"):
+            opt.step()
+        assert torch.equal(p, before), key
+        opt.param_groups[0][key] = good
+    opt.param_groups[0]["lr"] = 2e-3
+    before = p.detach().clone()
+    opt.step()
+    assert not torch.equal(p, before) and p.isfinite().all()
+
+
 def test_optimizer_checks_groups_params_and_state_shapes():
     p = torch.nn.Parameter(torch.randn(64, 128))
     for kw in (dict(lr=float("nan")), dict(lr=float("inf")), dict(eps=float("inf")),
@@ -680,6 +707,7 @@ def test_optimizer_checks_groups_params_and_state_shapes():
     o = A.AdamW4bit([p])
     with pytest.raises(ValueError, match="param group 1: weight_decay"):
         o.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "weight_decay": -1.0})
+    assert len(o.param_groups) == 1                       # the refused group is not kept
     with pytest.raises(TypeError, match="needs float32, bfloat16 or float16 parameters, got torch.int64"):
         A.AdamW4bit([torch.zeros(4, dtype=torch.int64)])
     p.grad = torch.randn_like(p)
