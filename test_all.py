@@ -850,7 +850,7 @@ def _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=False):
 def test_kernel_rtn_bit_identical_to_reference_over_steps(kw):
     ref, o_ref, ker, o_ker = _twin_optimizers(**kw)
     g = torch.Generator().manual_seed(12)
-    for step in range(6):
+    for step in range(4):      # the first step from zero states, then 3 from stored codes, both grad dtypes
         _set_grads(ref, ker, g, torch.bfloat16 if step % 2 else torch.float32)
         o_ref.step()
         o_ker.step()
