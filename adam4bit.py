@@ -1888,6 +1888,32 @@ def _launch_table(ptrs, first_programs, block_size, device):
     return torch.tensor(rows, dtype=torch.int64).to(device)
 
 
+def _cached_tables(cache, dev, program_key, units, per_program, launch_key, ptrs, block_size, own_table):
+    """The program table (_program_table(units, per_program, dev)), the launch table
+    (_launch_table(ptrs, ..., block_size, dev)) and the compile options of a launch of either
+    kernel. The tables are cached in `cache` (the optimizer's dict, under "programs" and
+    "launch") because building them is a host loop over the tensors and a host-to-device copy:
+    with the same tensor sizes (program_key) and data pointers (launch_key) a step reuses them.
+    More than 64 launch tables mean parameters or states were reallocated: the old ones are
+    dropped. own_table: a launch table of its own, not shared with the cache (the step's cached
+    plan rewrites its gradient column in place, _triton_regrad)."""
+    programs, launches = (cache.setdefault(k, {}) for k in ("programs", "launch"))
+    progs = programs.get(program_key)
+    if progs is None:
+        progs = programs[program_key] = _program_table(units, per_program, dev)
+    tab = launches.get(launch_key)
+    if tab is None:
+        if len(launches) > 64:                     # parameters or states were reallocated
+            launches.clear()
+        tab = launches[launch_key] = _launch_table(ptrs, progs[1], block_size, dev)
+    if own_table:
+        tab = tab.clone()                          # a device copy: no host transfer
+    # compiled (not TRITON_INTERPRET=1): no FMA contraction, so products round as in the torch
+    # references, bit for bit; the interpreter has no such option (empty options: interpreted)
+    extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
+    return progs, tab, extra
+
+
 # ---- the wrapper -----------------------------------------------------------------------------
 
 def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_of_step, tables, cache,
@@ -1918,30 +1944,21 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
     (the step's cached plan rewrites its gradient column in place, _triton_regrad)."""
     B = cfg["block_size"]
     dev = items[0][0].device
-    dev_tables, programs, launches = (cache.setdefault(k, {}) for k in ("tables", "programs", "launch"))
+    dev_tables = cache.setdefault("tables", {})
     tabs = dev_tables.get(dev)
     if tabs is None:
         tabs = dev_tables[dev] = {k: x.to(dev) for k, x in tables.items()}
     nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per tile
     numels = tuple(p.numel() for p, _, _ in items)
-    progs = programs.get((dev, B, KERNEL_TILES, numels))
-    if progs is None:
-        progs = programs[(dev, B, KERNEL_TILES, numels)] = _program_table(
-            [n // B for n in numels], nb * KERNEL_TILES, dev)
     ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), *(st[k].data_ptr() for k in (
         "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel(),
         st["param_correction"].data_ptr() if "param_correction" in st else 0)
         for p, st, i in items)
     if u is not None:
         ptrs = tuple(r + tuple(x.data_ptr() for x in us) for r, us in zip(ptrs, u))
-    key = (B, nb, KERNEL_TILES, ptrs)              # the rows' first programs depend on all
-    tab = launches.get(key)
-    if tab is None:
-        if len(launches) > 64:                     # parameters or states were reallocated
-            launches.clear()
-        tab = launches[key] = _launch_table(ptrs, progs[1], B, dev)
-    if own_table:
-        tab = tab.clone()                          # a device copy: no host transfer
+    progs, tab, extra = _cached_tables(     # the rows' first programs depend on B, nb, KERNEL_TILES too
+        cache, dev, (dev, B, KERNEL_TILES, numels), [n // B for n in numels], nb * KERNEL_TILES,
+        (B, nb, KERNEL_TILES, ptrs), ptrs, B, own_table)
     # reading an element pair as one word needs p and grad 8- (FP32) or 4-byte (BF16, FP16)
     # aligned: true for whole tensors, maybe not for views into a flat buffer; otherwise the
     # launch reads element by element
@@ -1951,7 +1968,6 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
     bf16 = p0.dtype == torch.bfloat16
     p_corr = bf16 and "param_correction" in items[0][1]
     v_coord, v_rule = cfg["v_rounding"].split("-")
-    extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
     if KERNEL_MAXNREG and extra:
         extra["maxnreg"] = KERNEL_MAXNREG["sr" in (m_rounding, v_rule) or bool(cfg["eden"])
                                           or cfg.get("param_rounding") == "sr"]
@@ -2089,26 +2105,15 @@ def _adamw_prepare(items, rule, cache, u=None, own_table=False):
     """Everything of adamw_step_triton's launch that does not change between steps (a dict for
     _adamw_launch; own_table: as in _triton_prepare)."""
     dev = items[0][0].device
-    programs, launches = (cache.setdefault(k, {}) for k in ("programs", "launch"))
     numels = tuple(p.numel() for p, _, _ in items)
-    progs = programs.get((dev, "adamw", numels))
-    if progs is None:
-        progs = programs[(dev, "adamw", numels)] = _program_table(numels, ADAMW_BLOCK, dev)
     ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), st["exp_avg"].data_ptr(), 0, st["exp_avg_sq"].data_ptr(),
                   0, i, p.numel(), st["param_correction"].data_ptr() if "param_correction" in st else 0)
                  + ((0, 0, u[j].data_ptr()) if u is not None else ())
                  for j, (p, st, i) in enumerate(items))
-    key = ("adamw", ptrs)
-    tab = launches.get(key)
-    if tab is None:
-        if len(launches) > 64:
-            launches.clear()
-        tab = launches[key] = _launch_table(ptrs, progs[1], 1, dev)
-    if own_table:
-        tab = tab.clone()
+    progs, tab, extra = _cached_tables(cache, dev, (dev, "adamw", numels), numels, ADAMW_BLOCK,
+                                       ("adamw", ptrs), ptrs, 1, own_table)
     p0 = items[0][0]
     bf16, p_corr = p0.dtype == torch.bfloat16, "param_correction" in items[0][1]
-    extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
     return dict(dev=None, grid=(progs[0].numel(),), progs=progs[0], tab=tab, grads=tuple(r[1] for r in ptrs),
                 flags=dict(HAS_U=u is not None, P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
                            P_SR=bf16 and not p_corr and rule == "sr", P_CORR=bf16 and p_corr,

@@ -6,7 +6,7 @@ variant from torch.profiler over 3 steps: GPU ms, GPU operations per step, and t
 count or time differ between old and new. Setup as `python bench.py --only train`: batch 16 x
 1024 random tokens, BF16 autocast, torch.compile (default mode), fused AdamW, clipping at 1.0.
 Run from the folder holding it, with gaussws.py (new) and gaussws_old.py beside it or with the
-repository's git history at hand:
+repository's git history at hand; model.py and bench.py come from the first folder up holding them:
     python bench_layer.py > bench_layer.txt
 DRY=1 runs the same code on the CPU with the nano preset, 2 x 64 tokens and 2 steps (a check that
 it runs; its numbers mean nothing)."""
@@ -36,6 +36,7 @@ def load_old():
 import gaussws as new                       # noqa: E402  (the copy beside this file comes first)
 old = load_old()
 from model import GPT, preset_config       # noqa: E402
+import bench                                # noqa: E402  (the step timing of bench.py --only train)
 dev = torch.device("cpu" if DRY else "cuda")
 print(f"gaussws from {new.__file__}, old from {old.__file__}; torch {torch.__version__}, "
       f"{'CPU (DRY)' if DRY else torch.cuda.get_device_name()}", flush=True)
@@ -107,19 +108,12 @@ for name, mod in (("bf16", None), ("gaussws old", old), ("gaussws new", new)):
 
 
 def queued_ms(step, n):
-    sync()
-    if DRY:
-        t = time.perf_counter()
-        for _ in range(n):
-            step()
-        return (time.perf_counter() - t) * 1e3 / n
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
+    if not DRY:
+        return bench._queued_steps_ms(step, n)   # CUDA events around n steps queued back to back
+    t = time.perf_counter()
     for _ in range(n):
         step()
-    t1.record()
-    t1.synchronize()
-    return t0.elapsed_time(t1) / n
+    return (time.perf_counter() - t) * 1e3 / n
 
 
 for _ in range(ROUNDS):
