@@ -862,10 +862,26 @@ def build_parser():
     return ap
 
 
+def check_args(ap, args):
+    """One-line errors for values the sections would only trip over mid-run."""
+    import train as trainer
+    methods, optims = args.methods.split(","), args.optims.split(",")
+    if methods[0] != "bf16" or len(set(methods)) != len(methods):
+        ap.error(f"--methods {args.methods}: bf16 first (the others' baseline), each method once")
+    for name, vals, allowed in (("--methods", methods, ("bf16",) + g.METHODS), ("--optims", optims, trainer.OPTIMS)):
+        if any(v not in allowed for v in vals):
+            ap.error(f"{name} {','.join(vals)}: allowed {', '.join(allowed)}")
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: need at least 1")
+    if args.only == "fsdp" and args.iters is not None and args.iters <= 10:
+        ap.error(f"--iters {args.iters}: --only fsdp times the steps from 10 on, so it needs more than 10")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     args = ap.parse_args(argv)
+    check_args(ap, args)
     if args.only == "host":   # CPU only: the step's Python work, the GPU launches stubbed out
         save("host", bench_host())
         return
@@ -892,7 +908,8 @@ def main(argv=None):
             t1 = bench_train(optims=tuple(args.optims.split(",")), methods=tuple(args.methods.split(",")),
                              compile=args.compile,
                              on_row=lambda rows: save("train", dict(res, rows=res["rows"] + rows, partial=True)))
-            save("train", dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"]))
+            save("train", dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"],
+                               command="python bench.py " + shlex.join(argv)))
     if args.only == "ddp":
         if torch.cuda.device_count() < 2:
             raise SystemExit("--only ddp needs 2 GPUs")

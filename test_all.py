@@ -5259,6 +5259,16 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) as e:
             bench.main()
         assert e.value.code == 2 and said in capsys.readouterr().err, bad
+    for bad, said in ((["--only", "train", "--table1", "--methods", "gaussws"], "bf16 first"),
+                      (["--only", "train", "--table1", "--methods", "bf16,foo"], "allowed bf16"),
+                      (["--only", "train", "--optims", "zipsr,foo"], "--optims zipsr,foo"),
+                      (["--only", "fsdp", "--reps", "0"], "--reps 0"),
+                      (["--only", "fsdp", "--iters", "10"], "more than 10")):   # before any GPU check
+        monkeypatch.setattr(sys, "argv", ["bench.py", *bad])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        assert e.value.code == 2 and said in capsys.readouterr().err, bad
     if not torch.cuda.is_available():
         monkeypatch.setattr(sys, "argv", ["bench.py", "--only", "noise"])
         with pytest.raises(SystemExit, match="--only noise needs a CUDA GPU"):

@@ -406,6 +406,10 @@ def setup_distributed(args):
         if dev == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         return Process(ddp=False, rank=0, world=1, device=dev)
+    missing = [k for k in ("LOCAL_RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing:   # RANK alone: left over in the shell, not torchrun's
+        raise SystemExit(f"train.py: error: RANK={os.environ['RANK']} is set but {' and '.join(missing)} "
+                         "not: start a distributed run with torchrun, or unset RANK")
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     use_cuda = args.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
