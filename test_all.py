@@ -4897,6 +4897,17 @@ def test_fsdp_bad_flags_one_line_error(flags, env, words, capsys, monkeypatch):
     _assert_one_line_flag_error(flags, words, capsys)
 
 
+def test_stray_rank_without_torchrun_is_a_one_line_error(monkeypatch):
+    """RANK left in the environment without torchrun's LOCAL_RANK / WORLD_SIZE: a one-line error
+    naming them, not a KeyError."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match="RANK=0 is set but LOCAL_RANK and WORLD_SIZE not: start a distributed "
+                                         "run with torchrun, or unset RANK"):
+        train.setup_distributed(argparse.Namespace(device="cpu"))
+
+
 def _as_fsdp_rank(monkeypatch, world=1):
     """train.main in this process as rank 0 of `world` under torchrun, without a process group."""
     monkeypatch.setenv("RANK", "0")
