@@ -729,7 +729,10 @@ def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
                 one=out[1], many=out[nproc], nproc=nproc)
 
 
-def bench_fsdp(train_args, out_dir="out-fsdp", nproc=1, reps=3, warmup=10, command=None):
+FSDP_WARMUP = 10   # bench_fsdp's step time: the median of the steps from this one on
+
+
+def bench_fsdp(train_args, out_dir="out-fsdp", nproc=1, reps=3, warmup=FSDP_WARMUP, command=None):
     """train.py in one process and train.py --fsdp under torchrun with nproc processes, the same
     flags, interleaved `reps` times (plain, fsdp, plain, fsdp, ...: the GPU's clock drifts between
     runs). A run's step time is the median of its logged step times from step `warmup` on: the
@@ -780,17 +783,18 @@ def bench_fsdp(train_args, out_dir="out-fsdp", nproc=1, reps=3, warmup=10, comma
     def max_diff(a, b):
         return max(abs(x - y) for x, y in zip(a, b))
 
+    def max_weight_diff(a, b):
+        return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
     plain, fsdp = weights("plain", 0), weights("fsdp", 0)
     a, b = out["plain"][0], out["fsdp"][0]
     res = dict(same_keys=sorted(plain) == sorted(fsdp),
-               max_abs_weight_diff=max((plain[k].double() - fsdp[k].double()).abs().max().item() for k in plain),
+               max_abs_weight_diff=max_weight_diff(plain, fsdp),
                max_abs_step_loss_diff=max_diff(a["step_loss"], b["step_loss"]),
                max_abs_grad_norm_diff=max_diff(a["grad_norm"], b["grad_norm"]),
                tokens_per_s={k: [r["tokens_per_s"] for r in v] for k, v in out.items()})
     if reps > 1:   # how far two plain runs drift apart: the scale for the plain-vs-fsdp differences
-        other = weights("plain", 1)
-        res["max_abs_weight_diff_plain_plain"] = max((plain[k].double() - other[k].double()).abs().max().item()
-                                                     for k in plain)
+        res["max_abs_weight_diff_plain_plain"] = max_weight_diff(plain, weights("plain", 1))
     for key in ("step_loss", "grad_norm"):
         res[f"max_abs_{key}_diff_per_rep"] = {
             "plain_fsdp": [max_diff(p[key], f[key]) for p, f in zip(out["plain"], out["fsdp"])],
@@ -873,8 +877,9 @@ def check_args(ap, args):
             ap.error(f"{name} {','.join(vals)}: allowed {', '.join(allowed)}")
     if args.reps < 1:
         ap.error(f"--reps {args.reps}: need at least 1")
-    if args.only == "fsdp" and args.iters is not None and args.iters <= 10:
-        ap.error(f"--iters {args.iters}: --only fsdp times the steps from 10 on, so it needs more than 10")
+    if args.only == "fsdp" and args.iters is not None and args.iters <= FSDP_WARMUP:
+        ap.error(f"--iters {args.iters}: --only fsdp times the steps from {FSDP_WARMUP} on, so it needs more "
+                 f"than {FSDP_WARMUP}")
 
 
 def main(argv=None):
