@@ -35,7 +35,8 @@ The paper runs three separate steps; `fused=False` does exactly that:
   (2) `apply_noise`: one Triton program per 32-row × (BT·32)-column block reads w (any float
       dtype), computes the tile maxima in registers (partial edge tiles are masked), unpacks R,
       adds R·tilemax·2^(1−b_t) and writes w_hat (BF16 by default) and the tile maxima (kept for
-      backward).
+      backward). In a layer's call it makes b_t (eq. 11) and 2^(1−b_t) from b_i itself, with
+      torch's float32 roundings: no launch of its own on the tile grid.
   (3) The matmul: plain `F.linear(x, w_hat, bias)`.
 The backward regenerates R from the forward's seed (counter-based Philox gives the same bits) and
 one kernel writes ∂L/∂w and ∂L/∂b_i (tilemax · sum_32(∂L/∂w_hat ⊙ R) taken through eq. 11).
@@ -94,6 +95,7 @@ import torch.nn.functional as F
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from torch.library import triton_op, wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -124,6 +126,7 @@ CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4,
               fused_bt=4, fused_warps=4, small_apply=(16384, 1, 1), small_grad=(4096, 1, 2))
 
 _M32 = 0xFFFFFFFF
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # kernels run by Triton's CPU interpreter
 
 
 # ----------------------------------------------------------------------------------------------
@@ -657,6 +660,13 @@ def _apply_torch(w, noise, pow2, method, out_dtype):
     return w_hat, tmax
 
 
+def _tile_bits_torch(b, b_target, b_scale):
+    """(b_t, 2^(1−clamp(b_t))) float32 of eq. 11 and eq. 3 from b: b_t = b_target + b·b_scale
+    (a layer: b = b_i, b_scale = b_init − b_target; the public calls: b = b_t, (0, 1))."""
+    b_t = b_target + b.float() * b_scale
+    return b_t, _pow2(b_t)
+
+
 def _pow2_live_torch(b_t, pow2):
     """What the backward needs of b_t: 2^(1−b_t) where B_MIN <= b_t <= B_MAX (clamp passes the
     gradient there, ends included), 0 where it is clamped (no gradient; 2^(1−b_t) >= 2^-23 is never
@@ -667,29 +677,56 @@ def _pow2_live_torch(b_t, pow2):
 
 
 @triton.jit
-def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, bt_ptr, live_ptr, M, N, N8, TN,
-                  NOISE: tl.constexpr, BT: tl.constexpr, LIVE: tl.constexpr, B_LO: tl.constexpr,
-                  B_HI: tl.constexpr):
-    """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t); with
-    LIVE also 2^(1-b_t) masked by the clamp range of b_t (`_pow2_live_torch`) for the backward."""
+def _add_rn(a, b, INTERPRET: tl.constexpr):
+    """a + b in float32, rounded on its own: never fused with the product before it into an FMA,
+    which the GPU compiler does to a plain `+` (the interpreter does not fuse)."""
+    if INTERPRET:
+        return a + b
+    return libdevice.add_rn(a, b)
+
+
+@triton.jit
+def _exp2(x, INTERPRET: tl.constexpr):
+    """2^x in float32 as torch computes it on CUDA: libdevice's exp2f, the CUDA math library's
+    (tl.exp2 is the faster ex2.approx, up to 2 ulp away: other w_hat bits). The interpreter has no
+    libdevice: numpy's exp2 there, which differs from torch's CPU exp2 in the last bit at times."""
+    if INTERPRET:
+        return tl.exp2(x)
+    return libdevice.exp2(x)
+
+
+@triton.jit
+def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, b_ptr, live_ptr, b_target, b_scale,
+                  M, N, N8, TN, NOISE: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr,
+                  B_LO: tl.constexpr, B_HI: tl.constexpr, INTERPRET: tl.constexpr):
+    """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t). With
+    BITS, 2^(1-b_t) is not read but made from b here (`_tile_bits_torch`), and written masked by
+    the clamp range of b_t (`_pow2_live_torch`) for the backward: no launch of its own per call."""
     ti, row, col, mask = _tile_block(M, N, BT)
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = _tile_absmax(w)                                             # (BT,), edge tiles masked
     tmask = ti < TN
     tidx = tl.program_id(0) * TN + ti
-    pow2 = tl.load(pow2_ptr + tidx, mask=tmask, other=0.0)
+    if BITS:
+        b = tl.load(b_ptr + tidx, mask=tmask, other=0.0).to(tl.float32)
+        # eq. 11 as torch rounds it: the product to float32 (exact in float64, then rounded once),
+        # then the sum, rounded again. The scalars come in as float32 or (from Inductor) float64
+        p = (b.to(tl.float64) * b_scale).to(tl.float32)
+        b_t = _add_rn(p, (tl.zeros_like(p) + b_target).to(tl.float32), INTERPRET)
+        pow2 = _exp2(1.0 - tl.where(b_t < B_LO, B_LO, tl.where(b_t > B_HI, B_HI, b_t)), INTERPRET)   # torch's clamp, NaN kept
+        tl.store(live_ptr + tidx, tl.where((b_t >= B_LO) & (b_t <= B_HI), pow2, 0.0), mask=tmask)
+    else:
+        pow2 = tl.load(pow2_ptr + tidx, mask=tmask, other=0.0)
     r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
     w_hat = w + r * (tmax * pow2)[None, :, None]
     tl.store(out_ptr + row * N + col, _cast(w_hat, out_ptr.dtype.element_ty), mask=mask)
     tl.store(tmax_ptr + tidx, tmax, mask=tmask)
-    if LIVE:
-        b_t = tl.load(bt_ptr + tidx, mask=tmask, other=0.0)
-        tl.store(live_ptr + tidx, tl.where((b_t >= B_LO) & (b_t <= B_HI), pow2, 0.0), mask=tmask)
 
 
-def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None, b_t=None):
-    """The kernel's (w_hat, tile maxima); with b_t (float32 tiles, contiguous) also
-    `_pow2_live_torch`'s tiles, as a third output."""
+def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None, bits=None):
+    """The kernel's (w_hat, tile maxima) from 2^(1-b_t) (pow2, float32 tiles); or, with
+    bits = (b, b_target, b_scale) (b contiguous tiles, pow2 None), from b as `_tile_bits_torch`
+    makes it, and `_pow2_live_torch`'s tiles as a third output."""
     m, n = w.shape
     tm, tn = tile_grid(m, n)
     mode = _noise_mode(method, fused)
@@ -697,13 +734,15 @@ def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_w
     bt, num_warps = bt or cfg[0], num_warps or cfg[1]
     w_hat = torch.empty(m, n, dtype=out_dtype, device=w.device)
     tmax = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
-    live = torch.empty(tm, tn, dtype=torch.float32, device=w.device) if b_t is not None else tmax
+    live = torch.empty(tm, tn, dtype=torch.float32, device=w.device) if bits is not None else tmax
+    b, b_target, b_scale = bits if bits is not None else (tmax, 0.0, 1.0)
+    b_target, b_scale = _f32(b_target), _f32(b_scale)   # torch's float32 scalars, also in the interpreter
     r = w if mode == 2 else noise   # unused pointer in fused mode
-    _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, pow2, w_hat, tmax, seed,
-                                             pow2 if b_t is None else b_t, live, m, n, -(-n // 8), tn,
-                                             NOISE=mode, BT=bt, LIVE=b_t is not None, B_LO=B_MIN,
-                                             B_HI=B_MAX, num_warps=num_warps)
-    return (w_hat, tmax) if b_t is None else (w_hat, tmax, live)
+    _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, tmax if pow2 is None else pow2, w_hat, tmax, seed,
+                                             b, live, float(b_target), float(b_scale), m, n, -(-n // 8), tn,
+                                             NOISE=mode, BT=bt, BITS=bits is not None, B_LO=B_MIN,
+                                             B_HI=B_MAX, INTERPRET=_INTERPRET, num_warps=num_warps)
+    return (w_hat, tmax) if bits is None else (w_hat, tmax, live)
 
 
 def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl="auto"):
@@ -815,15 +854,17 @@ def _regenerate(m, n, seed, method, impl, fused):
     return None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
 
 
-def _pqn_sample_impl(w: torch.Tensor, b: torch.Tensor, b_t: torch.Tensor, pow2: torch.Tensor,
-                     seed: torch.Tensor, method: str, out_dtype: torch.dtype, impl: str, fused: bool,
+def _pqn_sample_impl(w: torch.Tensor, b: torch.Tensor, seed: torch.Tensor, method: str, out_dtype: torch.dtype,
+                     impl: str, fused: bool, b_target: float,
                      b_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(w_hat, tile maxima, `_pow2_live_torch`) of a call (eq. 3). b (the tensor ∂L/∂b goes to)
-    and b_scale serve the backward only (`_pqn_setup_context`)."""
+    """(w_hat, tile maxima, `_pow2_live_torch`) of a call (eq. 3), b_t = b_target + b·b_scale
+    (`_tile_bits_torch`; the kernel computes it itself). b (contiguous tiles) is also the tensor
+    ∂L/∂b goes to (`_pqn_setup_context`)."""
     noise = _regenerate(*w.shape, seed, method, impl, fused)
     if impl == "torch":
+        b_t, pow2 = _tile_bits_torch(b, b_target, b_scale)
         return *_apply_torch(w, noise, pow2, method, out_dtype), _pow2_live_torch(b_t, pow2)
-    return _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, b_t=b_t)
+    return _apply_triton(w, noise, None, seed, method, out_dtype, fused, bits=(b, b_target, b_scale))
 
 
 def _pqn_grad_impl(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, live: torch.Tensor,
@@ -843,7 +884,7 @@ _pqn_grad_op = triton_op("gaussws::pqn_grad", mutates_args=())(_pqn_grad_impl)
 
 
 def _pqn_setup_context(ctx, inputs, output):
-    w, b, b_t, pow2, seed, method, out_dtype, impl, fused, b_scale = inputs
+    w, b, seed, method, out_dtype, impl, fused, b_target, b_scale = inputs
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.set_materialize_grads(False)   # no zero-filled gradients for them: a launch each in eager code
     # tile maxima + seed (R is regenerated, not stored), 2^(1-b_t) and the clamp mask for ∂L/∂b
@@ -860,9 +901,9 @@ def _pqn_backward(ctx, g_w_hat, g_tmax, g_live):
     tmax, seed, live = ctx.saved_tensors
     _check_recomputed_call(ctx.call, seed)
     if g_w_hat is None:                  # grads are not materialized: w_hat had none
-        return (None,) * 10
+        return (None,) * 9
     dw, db = _pqn_ops()[1](g_w_hat, tmax, seed, live, *ctx.args)
-    return dw, db, None, None, None, None, None, None, None, None
+    return dw, db, None, None, None, None, None, None, None
 
 
 _pqn_sample_op.register_autograd(_pqn_backward, setup_context=_pqn_setup_context)
@@ -882,7 +923,7 @@ class _PQNSample(torch.autograd.Function):
 
 
 def _pqn_sample(*args):
-    """(w_hat, tile max, live) of eq. 3 from (w, b, b_t, pow2, seed, method, out_dtype, impl, fused,
+    """(w_hat, tile max, live) of eq. 3 from (w, b, seed, method, out_dtype, impl, fused, b_target,
     b_scale), differentiable in w and b: the torch.library op under torch.compile (Inductor
     launches its kernels), the autograd.Function in eager code."""
     if torch.compiler.is_compiling():
@@ -905,15 +946,10 @@ def _check_sample_args(w, b_t, method, impl, seed, name="b_t"):
     return _resolve_impl(impl, w), _seed_tensor(seed, w.device)
 
 
-def _sample_bits(b, b_init=None, b_target=None):
-    """(b, b_t, 2^(1−b_t), b_scale) for the sample op: b_t = b itself (b_init None: the public
-    calls, b_scale 1) or eq. 11 of a layer's b = b_i (b_scale = b_init − b_target). b_t (float32,
-    contiguous) and 2^(1−b_t) carry no autograd history: the grad kernel returns ∂L/∂b itself."""
-    bd = b.detach()
-    if b_init is None:
-        return b, bd.float().contiguous(), _pow2(bd), 1.0
-    b_t = _bitwidth(bd, b_init, b_target)
-    return b, b_t, _pow2(b_t), b_init - b_target
+def _sample_bits(b_init=None, b_target=None):
+    """(b_target, b_scale) of the sample op's b_t = b_target + b·b_scale: (0, 1) where b is b_t
+    itself (b_init None: the public calls), eq. 11 where b is a layer's b_i."""
+    return (0.0, 1.0) if b_init is None else (float(b_target), float(b_init - b_target))
 
 
 def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, impl="auto", fused=False):
@@ -930,35 +966,35 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     impl, seed = _check_sample_args(w, b_t, method, impl, seed)
     if out_dtype not in W_DTYPES:
         raise TypeError(f"out_dtype={out_dtype!r}; allowed: torch.float32, torch.bfloat16, torch.float16")
-    b, b_t, pow2, b_scale = _sample_bits(b_t)   # ∂L/∂b_t = 0 where b_t is clamped
-    return _pqn_sample(w.contiguous(), b, b_t, pow2, seed, method, out_dtype, impl, fused, b_scale)[0]
+    # ∂L/∂b_t = 0 where b_t is clamped
+    return _pqn_sample(w.contiguous(), b_t.contiguous(), seed, method, out_dtype, impl, fused, *_sample_bits())[0]
 
 
 class _RecomputeLinear(torch.autograd.Function):
     """y = F.linear(x, w_hat, bias) that keeps no w_hat for backward: it is rebuilt from
-    (w, 2^(1-b_t), seed) there ("recompute" memory mode). b, b_t, pow2, b_scale: `_sample_bits`."""
+    (w, b, seed) there ("recompute" memory mode). b_target, b_scale: `_sample_bits`."""
 
     @staticmethod
-    def forward(ctx, x, w, b, b_t, pow2, seed, bias, method, impl, fused, b_scale):
-        w_hat, tmax, live = _pqn_ops()[0](w, b, b_t, pow2, seed, method, x.dtype, impl, fused, b_scale)
-        ctx.save_for_backward(x, w, b_t, pow2, seed, tmax, live)
-        ctx.args = (method, impl, fused, b.dtype, b_scale, bias is not None)
+    def forward(ctx, x, w, b, seed, bias, method, impl, fused, b_target, b_scale):
+        w_hat, tmax, live = _pqn_ops()[0](w, b, seed, method, x.dtype, impl, fused, b_target, b_scale)
+        ctx.save_for_backward(x, w, b, seed, tmax, live)
+        ctx.args = (method, impl, fused, b_target, b_scale, bias is not None)
         ctx.call = _call_of(seed)
         return F.linear(x, w_hat, bias)
 
     @staticmethod
     def backward(ctx, gy):
-        x, w, b_t, pow2, seed, tmax, live = ctx.saved_tensors
+        x, w, b, seed, tmax, live = ctx.saved_tensors
         _check_recomputed_call(ctx.call, seed)
-        method, impl, fused, b_dtype, b_scale, has_bias = ctx.args
+        method, impl, fused, b_target, b_scale, has_bias = ctx.args
         sample, grad = _pqn_ops()
-        w_hat = sample(w, b_t, b_t, pow2, seed, method, x.dtype, impl, fused, b_scale)[0]   # b: unused
+        w_hat = sample(w, b, seed, method, x.dtype, impl, fused, b_target, b_scale)[0]
         gy2 = gy.reshape(-1, gy.shape[-1]).to(x.dtype)
         gx = (gy2 @ w_hat).view(x.shape)
         g_w_hat = gy2.t() @ x.reshape(-1, x.shape[-1])
-        dw, db = grad(g_w_hat, tmax, seed, live, method, w.dtype, b_dtype, impl, fused, b_scale)
+        dw, db = grad(g_w_hat, tmax, seed, live, method, w.dtype, b.dtype, impl, fused, b_scale)
         gb = gy2.sum(0) if has_bias else None
-        return gx, dw, db, None, None, None, gb, None, None, None, None
+        return gx, dw, db, None, gb, None, None, None, None, None
 
 
 def _compute_dtype(x):
@@ -990,15 +1026,13 @@ def _pqt_linear(x, w, b, b_init, b_target, bias, seed, method, memory, impl, fus
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {w.shape[1]}")
     cd = _compute_dtype(x)
-    b, b_t, pow2, b_scale = _sample_bits(b, b_init, b_target)
+    b, bits = b.contiguous(), _sample_bits(b_init, b_target)
     if memory == "save":
-        w_hat = _pqn_sample(w.contiguous(), b, b_t, pow2, seed, method, cd, impl, fused, b_scale)[0]
-        return F.linear(x, w_hat, bias)
+        return F.linear(x, _pqn_sample(w.contiguous(), b, seed, method, cd, impl, fused, *bits)[0], bias)
     xb = x.to(cd)
     bias = bias.to(cd) if bias is not None else None
     with torch.autocast(x.device.type, enabled=False):
-        return _RecomputeLinear.apply(xb, w.contiguous(), b, b_t, pow2, seed, bias, method, impl, fused,
-                                      b_scale)
+        return _RecomputeLinear.apply(xb, w.contiguous(), b, seed, bias, method, impl, fused, *bits)
 
 
 # ==============================================================================================

@@ -47,8 +47,9 @@ def main():
         for b in BTS:
             for nw in WARPS:
                 key = f"{b},{nw}"
-                row["apply"][key] = timed(lambda: [g._apply_triton(w, None, pow2, seed, "gaussws", torch.bfloat16,
-                                                                   True, b, nw, b_t=bt) for w in ws]) * 1e3 / k
+                row["apply"][key] = timed(lambda: [g._apply_triton(w, None, None, seed, "gaussws", torch.bfloat16,
+                                                                   True, b, nw, bits=(bt, 0.0, 1.0))
+                                                   for w in ws]) * 1e3 / k
                 row["grad"][key] = timed(lambda: [g._grad_triton(x, None, tmax, seed, "gaussws", torch.float32, True,
                                                                  b, nw, bits=(live, 2.0, torch.float32))
                                                   for x in gs]) * 1e3 / k
