@@ -2346,6 +2346,13 @@ def _float_bits(t):
     return t.contiguous().view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
 
 
+def _same_bits_but_zero_sign(a, b):
+    """Where a and b are the same float bits, or both zero: on a GPU a tile whose sum_32(g ⊙ R)
+    is a zero can give the grad kernel a zero of the other sign than the separate launch whose
+    ∂L/∂2^(1−b_t) the reference is fed (seen on the H200: +0 against −0)."""
+    return (_float_bits(a) == _float_bits(b)) | ((a == 0) & (b == 0))
+
+
 @pytest.mark.parametrize("impl,fused", [("torch", False), ("triton", False), ("triton", True)])
 def test_bits_grad_of_the_grad_kernel_is_autograds_bit_for_bit(impl, fused):
     """The grad kernel's (and its torch twin's) ∂L/∂b equals, bit for bit, autograd through
@@ -2355,7 +2362,7 @@ def test_bits_grad_of_the_grad_kernel_is_autograds_bit_for_bit(impl, fused):
     and the masked 2^(1−b_t) itself: b_t's clamp mask is `_pow2_live_torch`'s, and on a GPU its
     2^(1−b_t) is torch's bit for bit (libdevice's exp2f); under the interpreter within 1 ulp
     (numpy's exp2 against torch's CPU exp2: they differ in the last bit for ~6 % of inputs). Where
-    the two exp2 agree, ∂L/∂b is autograd's bit for bit (a zero's sign aside: a clamped tile's 0)."""
+    the two exp2 agree, ∂L/∂b is autograd's bit for bit (a zero's sign aside: `_same_bits_but_zero_sign`)."""
     torch.manual_seed(41)
     seed = torch.tensor([31337, 5], device=DEV)
     for (m, n), (b_init, b_target), b_dtype in itertools.product(
@@ -2398,9 +2405,9 @@ def test_bits_grad_of_the_grad_kernel_is_autograds_bit_for_bit(impl, fused):
             dw, db = g._grad_triton(gg, r, tmax, seed, "gaussws", torch.float32, fused, bits=(live,) + bits[1:])
         leaf = b.clone().requires_grad_()
         g._pow2(leaf if b_init is None else g._bitwidth(leaf, b_init, b_target)).backward(dpow2)
-        same = (_float_bits(db) == _float_bits(leaf.grad)) | ((db == 0) & (leaf.grad == 0))
+        same = _same_bits_but_zero_sign(db, leaf.grad)
         assert db.dtype == b_dtype and same[agree].all(), (m, n, b_init, b_dtype, db[~same], leaf.grad[~same])
-        assert torch.equal(_float_bits(db), _float_bits(g._bits_grad_torch(dpow2, live, b_scale, b_dtype)))
+        assert _same_bits_but_zero_sign(db, g._bits_grad_torch(dpow2, live, b_scale, b_dtype)).all()
         assert torch.equal(dw, dw0) and torch.equal(dw, gg.float())
         clamped = (b_t < g.B_MIN) | (b_t > g.B_MAX)
         assert (db[clamped] == 0).all() and (live[clamped] == 0).all()
@@ -2415,7 +2422,7 @@ def test_kernels_compile_for_a_gpu_with_inductors_float64_scalars():
     itself, and the sampling kernel adds eq. 11's terms with a rounded add (add.rn, no FMA).
     Compiled here for an sm_90 target (no GPU needed), in a process without the interpreter."""
     code = """
-import re, sys, triton
+import sys, triton
 import gaussws as g
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -2434,7 +2441,7 @@ for ft in ("fp32", "fp64"):
         src = ASTSource(fn=g._apply_kernel, signature=sig, constexprs=dict(NOISE=2, BT=1, BITS=True, B_LO=g.B_MIN,
                                                                              B_HI=g.B_MAX, INTERPRET=False))
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-        assert re.search(r"add\.rn(\.ftz)?\.f32", ptx), (ft, bd)
+        assert "add.rn.f32" in ptx or "add.rn.ftz.f32" in ptx, (ft, bd)
         print(ft, bd, "compiled")
 """
     env = dict(os.environ, TRITON_INTERPRET="0")
