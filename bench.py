@@ -10,6 +10,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
     python bench.py --only train    # GPT-2-124M compiled: bf16 vs GaussWS vs plain-PyTorch eq. 3
     python bench.py --only train --table1 --compile   # + paper A Table 1 (llama-134m ... 70b-4l)
+    python bench.py --only train --table1 --compile --no-gpt2 --models llama-1b   # one Table 1 row
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
     python bench.py --only fsdp              # train.py --fsdp under torchrun vs the plain path, same GPU, compiled
     python bench.py --only fsdp --eager      # the same with train.py --no-compile
@@ -829,12 +830,11 @@ def save(section, result, path=None):
     date = datetime.date.today().isoformat()
     path = path or f"results/{gpu}_{date}_{section}.json"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:   # a result's own "command" (the full command line) wins
+    with open(path + ".tmp", "w") as f:   # a result's own "command" (the full command line) wins
         json.dump({"gpu": gpu, "date": date, "torch": torch.__version__, "triton": triton.__version__,
                    "command": f"python bench.py --only {section}", **result}, f, indent=1)
+    os.replace(path + ".tmp", path)      # atomic: a killed run leaves the previous file whole
     print("wrote", path)
-
-
 
 
 def build_parser():
@@ -855,6 +855,11 @@ def build_parser():
     ap.add_argument("--modes", default="default", help="--only train: torch.compile modes of the GPT-2 comparison, "
                                                        "comma-separated (default, reduce-overhead)")
     ap.add_argument("--pairs", type=int, default=2, help="--only train: interleaved rounds of the GPT-2 comparison")
+    ap.add_argument("--gpt2", default=True, action=argparse.BooleanOptionalAction,
+                    help="--only train: the GPT-2 comparison (--no-gpt2 --table1: Table 1 alone)")
+    ap.add_argument("--models", default=",".join(p for p, _ in TABLE1),
+                    help="--only train --table1: Table 1 rows, comma-separated (each compiles twice or more: one "
+                         "model per run fits a time limit)")
     ap.add_argument("--methods", default="bf16,gaussws,diffq", help="--only train --table1: PQT methods (bf16 first)")
     ap.add_argument("--optims", default="adamw,zipsr", help="--only train --table1: optimizers")
     ap.add_argument("--eager", action="store_true", help="--only fsdp: train.py --no-compile")
@@ -875,6 +880,12 @@ def check_args(ap, args):
     for name, vals, allowed in (("--methods", methods, ("bf16",) + g.METHODS), ("--optims", optims, trainer.OPTIMS)):
         if any(v not in allowed for v in vals):
             ap.error(f"{name} {','.join(vals)}: allowed {', '.join(allowed)}")
+    models = args.models.split(",")
+    allowed = [p for p, _ in TABLE1]
+    if any(m not in allowed for m in models) or len(set(models)) != len(models):
+        ap.error(f"--models {args.models}: allowed {', '.join(allowed)}, each once")
+    if not args.gpt2 and not args.table1:
+        ap.error("--no-gpt2 without --table1: nothing to run")
     if args.reps < 1:
         ap.error(f"--reps {args.reps}: need at least 1")
     if args.only == "fsdp" and args.iters is not None and args.iters <= FSDP_WARMUP:
@@ -907,13 +918,18 @@ def main(argv=None):
     if args.only in (None, "memory"):
         save("memory", bench_memory())
     if args.only in (None, "train"):
-        res = bench_train_gpt2(modes=args.modes.split(","), pairs=args.pairs)
-        save("train", dict(res, partial=args.table1))
+        # Table 1 alone or a subset of its rows is saved apart, so one model per run can fill the table
+        models = args.models.split(",")
+        section = "train" if args.gpt2 else "train_table1" + ("_compiled" if args.compile else "") + (
+            "" if len(models) == len(TABLE1) else "_" + "_".join(models))
+        res = bench_train_gpt2(modes=args.modes.split(","), pairs=args.pairs) if args.gpt2 else dict(rows=[])
+        if args.gpt2:
+            save(section, dict(res, partial=args.table1))
         if args.table1:
-            t1 = bench_train(optims=tuple(args.optims.split(",")), methods=tuple(args.methods.split(",")),
-                             compile=args.compile,
-                             on_row=lambda rows: save("train", dict(res, rows=res["rows"] + rows, partial=True)))
-            save("train", dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"],
+            t1 = bench_train(cases=[c for c in TABLE1 if c[0] in models], optims=tuple(args.optims.split(",")),
+                             methods=tuple(args.methods.split(",")), compile=args.compile,
+                             on_row=lambda rows: save(section, dict(res, rows=res["rows"] + rows, partial=True)))
+            save(section, dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"],
                                command="python bench.py " + shlex.join(argv)))
     if args.only == "ddp":
         if torch.cuda.device_count() < 2:

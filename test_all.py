@@ -5345,6 +5345,8 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
                       (["--only", "train", "--table1", "--methods", "bf16,foo"], "allowed bf16"),
                       (["--only", "train", "--optims", "zipsr,foo"], "--optims zipsr,foo"),
                       (["--only", "fsdp", "--reps", "0"], "--reps 0"),
+                      (["--only", "train", "--table1", "--models", "llama-1b,llama-7b"], "--models llama-1b,llama-7b"),
+                      (["--only", "train", "--no-gpt2"], "nothing to run"),
                       (["--only", "fsdp", "--iters", "10"], "more than 10")):   # before any GPU check
         monkeypatch.setattr(sys, "argv", ["bench.py", *bad])
         capsys.readouterr()
@@ -5355,6 +5357,25 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(sys, "argv", ["bench.py", "--only", "noise"])
         with pytest.raises(SystemExit, match="--only noise needs a CUDA GPU"):
             bench.main()
+
+
+def test_bench_table1_rows_alone(monkeypatch):
+    """`--no-gpt2 --models` runs only the named Table 1 rows (in Table 1's order), without the GPT-2
+    comparison, and saves them under a name of their own (a run per model fills the table)."""
+    seen, saved = {}, []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "bench_train_gpt2", lambda **k: pytest.fail("the GPT-2 comparison ran"))
+    monkeypatch.setattr(bench, "bench_train", lambda cases, **k: seen.update(cases=cases, **k) or dict(
+        rows=[dict(model=c[0]) for c in cases], geomean_overhead_pct={}))
+    monkeypatch.setattr(bench, "save", lambda section, result, path=None: saved.append((section, result)))
+    bench.main(["--only", "train", "--table1", "--compile", "--no-gpt2", "--models", "llama-3b,llama-1b",
+                "--methods", "bf16,gaussws", "--optims", "adamw"])
+    assert seen["cases"] == [("llama-1b", 8), ("llama-3b", 2)] and seen["compile"]
+    assert seen["methods"] == ("bf16", "gaussws") and seen["optims"] == ("adamw",)
+    section, result = saved[-1]
+    assert section == "train_table1_compiled_llama-3b_llama-1b" and [r["model"] for r in result["rows"]] == [
+        "llama-1b", "llama-3b"]
+    assert result["command"].endswith("--models llama-3b,llama-1b --methods bf16,gaussws --optims adamw")
 
 
 def test_quality_bench_sigterm_ends_its_runs(corpus, tmp_path):
