@@ -4148,6 +4148,7 @@ def _assert_one_line_flag_error(flags, words, capsys):
     (["--preset", "gpt5"], ["--preset", "gpt2-124m", "llama-134m"]),
     (["--batch_size", "0"], ["--batch_size"]),
     (["--device", "tpu"], ["--device", "cpu"]),
+    (["--no-compile", "--compile_mode", "reduce-overhead"], ["--compile_mode reduce-overhead", "add --compile"]),
 ])
 def test_bad_flags_one_line_error(flags, words, capsys):
     _assert_one_line_flag_error(flags, words, capsys)

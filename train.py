@@ -267,6 +267,9 @@ def resolve_args(args, parser, cuda):
         check_range(parser, name, getattr(args, name), lo=0, hi=1, hi_in=False)
     for name in ("warmup_frac", "cooldown_frac", "min_lr_frac"):
         check_range(parser, name, getattr(args, name), lo=0, hi=1)
+    if not args.compile and args.compile_mode != "default":
+        parser.error(f"--compile_mode {args.compile_mode} without compiling (--no-compile, or the CPU default): "
+                     "add --compile or drop --compile_mode")
     if args.overwrite and args.resume:
         parser.error("--overwrite and --resume: give one of them (--overwrite starts over, --resume continues)")
     if args.warmup_frac + args.cooldown_frac > 1:
@@ -882,7 +885,8 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
     SystemExit(128 + signal number), i.e. exit status 130 / 143."""
     raw_model = model  # for eval, clipping, the penalty and the checkpoint
     if args.compile:
-        say(f"compiling the model (torch.compile, mode {args.compile_mode}): the first step takes ~1 min")
+        say(f"compiling the model (torch.compile, mode {args.compile_mode}): the first step takes ~1 min "
+            f"(a few on a CPU)")
         model = torch.compile(model, mode=args.compile_mode)
     graphs = args.compile and "reduce-overhead" in args.compile_mode
     if proc.ddp and not args.fsdp:  # buffers (GaussWS seed state) advance identically on every rank: no broadcast
