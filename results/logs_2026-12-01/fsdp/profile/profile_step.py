@@ -55,6 +55,10 @@ def log_step(self, it, lr, stats):
             f.write(ka.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
             dev = sum(e.self_device_time_total for e in ka)
             f.write(f"\nself device time total over {P1 - P0} steps: {dev / 1e3:.1f} ms\n")
+            try:
+                f.write(gaps(prof))
+            except Exception as e:   # the tables above are kept either way
+                f.write(f"gap analysis failed: {e!r}")
     if it + 1 == P1 and torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode("warn")
     if it + 1 == P1 + 2 and torch.cuda.is_available():
@@ -63,6 +67,38 @@ def log_step(self, it, lr, stats):
 
 
 train.RunLog.step = log_step
+
+
+def gaps(prof, top=25):
+    """Where the device idles in the window: the union of kernel/memcpy intervals (not the device
+    side of record_function ranges, which span idle time too), the idle time between them, and the
+    largest gaps with the host ranges (record_function / FSDP / python-level ops) that were running
+    when each gap began. Added on 2026-12-02; the 2026-12-01 outputs do not have it."""
+    evs = prof.events()
+    dev = sorted((e.time_range.start, e.time_range.end) for e in evs
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+                 and not getattr(e, "is_user_annotation", False))
+    host = [e for e in evs if e.device_type == torch.autograd.DeviceType.CPU]
+    busy, idle, cur, out = 0.0, [], None, []
+    for s, e in dev:
+        if cur is None:
+            cur = [s, e]
+        elif s > cur[1]:
+            busy += cur[1] - cur[0]
+            idle.append((s - cur[1], cur[1], s))
+            cur = [s, e]
+        else:
+            cur[1] = max(cur[1], e)
+    busy += cur[1] - cur[0]
+    span = max(e for _, e in dev) - dev[0][0]
+    out.append(f"\ndevice span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
+               f"in {len(idle)} gaps ({sum(1 for g in idle if g[0] > 20)} over 20 us, "
+               f"{sum(g[0] for g in idle if g[0] > 20) / 1e3:.2f} ms in them); kernels+copies {len(dev)}\n")
+    for g, a, b in sorted(idle, reverse=True)[:top]:
+        names = sorted({e.name for e in host if e.time_range.start <= a <= e.time_range.end
+                        and not e.name.startswith(("aten::", "cuda", "triton"))}, key=len)[:6]
+        out.append(f"gap {g / 1e3:7.3f} ms at +{(a - dev[0][0]) / 1e3:8.2f} ms  host: {names}\n")
+    return "".join(out)
 
 
 def showwarning(message, category, filename, lineno, file=None, line=None):
