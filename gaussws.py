@@ -687,9 +687,10 @@ def _add_rn(a, b, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _exp2(x, INTERPRET: tl.constexpr):
-    """2^x in float32 as torch computes it on CUDA: libdevice's exp2f, the CUDA math library's
-    (tl.exp2 is the faster ex2.approx, up to 2 ulp away: other w_hat bits). The interpreter has no
-    libdevice: numpy's exp2 there, which differs from torch's CPU exp2 in the last bit at times."""
+    """2^x in float32 as torch computes it on CUDA: libdevice's exp2f, the CUDA math library's and
+    what Inductor emits for torch.exp2 (on sm_90 the same ex2.approx instruction as tl.exp2; the H200
+    test compares it with torch's bit for bit). The interpreter has no libdevice: numpy's exp2
+    there, which differs from torch's CPU exp2 in the last bit at times."""
     if INTERPRET:
         return tl.exp2(x)
     return libdevice.exp2(x)
