@@ -838,8 +838,9 @@ def save(section, result, path=None):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="bench.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    import train as trainer
+    ap = trainer.OneLineParser(prog="bench.py", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "ddp", "fsdp", "quality",
                                        "plots"],
                     default=None, help="run one section (default: all but ddp and quality); quality and "
@@ -877,9 +878,12 @@ def check_args(ap, args):
     methods, optims = args.methods.split(","), args.optims.split(",")
     if methods[0] != "bf16" or len(set(methods)) != len(methods):
         ap.error(f"--methods {args.methods}: bf16 first (the others' baseline), each method once")
-    for name, vals, allowed in (("--methods", methods, ("bf16",) + g.METHODS), ("--optims", optims, trainer.OPTIMS)):
-        if any(v not in allowed for v in vals):
-            ap.error(f"{name} {','.join(vals)}: allowed {', '.join(allowed)}")
+    for name, vals, allowed in (("--methods", methods, ("bf16",) + g.METHODS), ("--optims", optims, trainer.OPTIMS),
+                                ("--modes", args.modes.split(","), trainer.COMPILE_MODES)):
+        if any(v not in allowed for v in vals) or len(set(vals)) != len(vals):
+            ap.error(f"{name} {','.join(vals)}: allowed {', '.join(allowed)}, each once")
+    if args.pairs < 1:
+        ap.error(f"--pairs {args.pairs}: need at least 1")
     models = args.models.split(",")
     allowed = [p for p, _ in TABLE1]
     if any(m not in allowed for m in models) or len(set(models)) != len(models):

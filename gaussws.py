@@ -83,6 +83,7 @@ casting. Each kernel sits right after its torch twin, followed by its wrapper.
 """
 import fnmatch
 import math
+import numbers
 import os
 import random
 import re
@@ -157,6 +158,11 @@ def _check_weight(w, name="w"):
     _check_dtype(w.dtype, name)
     if w.numel() >= 2 ** 31:
         raise ValueError(f"{name} has {w.numel()} elements; at most 2**31 - 1 are supported")
+
+
+def _check_out_dtype(out_dtype):
+    if out_dtype not in W_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype!r}; allowed: torch.float32, torch.bfloat16, torch.float16")
 
 
 def _check_tiles(t, w, name):
@@ -527,8 +533,9 @@ def generate_noise(shape, seed, method="gaussws", impl="auto", device=None):
     (default: the seed tensor's device, else CPU).
     Raises ValueError/TypeError on a bad shape, seed, method or impl."""
     _check_choice("method", method, GEN_METHODS)
-    if len(shape) != 2 or min(shape) < 1:
-        raise ValueError(f"shape must be (m, n) with m, n >= 1, got {tuple(shape)}")
+    if (not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2
+            or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 for v in shape)):
+        raise ValueError(f"shape must be (m, n), two ints >= 1, got {shape!r}")
     m, n = int(shape[0]), int(shape[1])
     if m * n >= 2 ** 31:
         raise ValueError(f"shape {shape} has {m * n} elements; at most 2**31 - 1 are supported")
@@ -753,19 +760,23 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
     w: (m, n) float32/bfloat16/float16 (non-contiguous is copied); noise: from `generate_noise`
     with the same method (int32 (m, ceil(n/8)) for "gaussws", BF16 (m, n) for "diffq"); b_t:
     tile-grid tensor of bitwidths (clamped to [B_MIN, B_MAX]).
-    Raises TypeError / ValueError on a bad w, b_t, noise shape, method or impl."""
+    Raises TypeError / ValueError on a bad w, b_t, noise (type, shape), out_dtype, method or impl."""
     _check_choice("method", method, METHODS)
     _check_weight(w)
     _check_tiles(b_t, w, "b_t")
     w = w.contiguous()
     m, n = w.shape
     want = (m, -(-n // 8)) if method == "gaussws" else (m, n)
+    if not isinstance(noise, torch.Tensor):
+        raise TypeError(f"noise must be a torch.Tensor from generate_noise, got {type(noise).__name__}")
     if tuple(noise.shape) != want:
         raise ValueError(f"noise has shape {tuple(noise.shape)}; method={method!r} and w {tuple(w.shape)} need {want}")
-    pow2 = _pow2(b_t)
-    if _resolve_impl(impl, w) == "torch":
-        return _apply_torch(w, noise, pow2, method, out_dtype)
-    return _apply_triton(w, noise.contiguous(), pow2, None, method, out_dtype, False)
+    _check_out_dtype(out_dtype)
+    with torch.no_grad():
+        pow2 = _pow2(b_t)
+        if _resolve_impl(impl, w) == "torch":
+            return _apply_torch(w, noise, pow2, method, out_dtype)
+        return _apply_triton(w, noise.contiguous(), pow2, None, method, out_dtype, False)
 
 
 # ==============================================================================================
@@ -962,11 +973,10 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     used as clamp(b_t, B_MIN, B_MAX) = [1, 24] bits (∂L/∂b_t = 0 where clamped); seed: int in
     [0, 2**63) or int64 tensor [key, counter]; returns w_hat (m, n) in out_dtype (paper: BF16).
     fused=True generates R inside the apply/grad kernels (GaussWS only; same R, same result).
-    Raises TypeError (w dtype, out_dtype, seed type) / ValueError (shapes, empty w, seed range,
-    method, impl)."""
+    Raises TypeError (w dtype, out_dtype, seed type) / ValueError (shapes, empty w, seed range, a
+    seed tensor's dtype or shape, method, impl)."""
     impl, seed = _check_sample_args(w, b_t, method, impl, seed)
-    if out_dtype not in W_DTYPES:
-        raise TypeError(f"out_dtype={out_dtype!r}; allowed: torch.float32, torch.bfloat16, torch.float16")
+    _check_out_dtype(out_dtype)
     # ∂L/∂b_t = 0 where b_t is clamped
     return _pqn_sample(w.contiguous(), b_t.contiguous(), seed, method, out_dtype, impl, fused, *_sample_bits())[0]
 
@@ -1014,7 +1024,8 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
     compute dtype (the autocast dtype when autocast is on — BF16 in training — else x.dtype).
     memory="save": autograd keeps w_hat (paper, +2 B/param); "recompute": rebuilt in backward.
     Returns y (..., m).
-    Raises TypeError (x or w dtype, seed type) / ValueError (shapes, memory, method, impl, seed)."""
+    Raises TypeError (x or w dtype, seed type) / ValueError (shapes, bias shape, memory, method,
+    impl, seed)."""
     return _pqt_linear(x, w, b_t, None, None, bias, seed, method, memory, impl, fused)
 
 
@@ -1026,12 +1037,15 @@ def _pqt_linear(x, w, b, b_init, b_target, bias, seed, method, memory, impl, fus
     _check_dtype(x.dtype, "x")
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {w.shape[1]}")
+    if bias is not None and tuple(bias.shape) != (w.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}; w {tuple(w.shape)} needs ({w.shape[0]},)")
     cd = _compute_dtype(x)
     b, bits = b.contiguous(), _sample_bits(b_init, b_target)
+    # the bias in w_hat's dtype, as autocast casts it (outside autocast x may be BF16, the bias FP32)
+    bias = bias.to(cd) if bias is not None else None
     if memory == "save":
         return F.linear(x, _pqn_sample(w.contiguous(), b, seed, method, cd, impl, fused, *bits)[0], bias)
     xb = x.to(cd)
-    bias = bias.to(cd) if bias is not None else None
     with torch.autocast(x.device.type, enabled=False):
         return _RecomputeLinear.apply(xb, w.contiguous(), b, seed, bias, method, impl, fused, *bits)
 
@@ -1170,7 +1184,9 @@ class GaussWSLinear(nn.Linear):
     "auto"|"torch"|"triton"; fused: generate R inside the apply/grad kernels (GaussWS, Triton;
     default: faster, see `python bench.py --only noise`; same R and same w_hat bits); fused=False
     is the paper's 3-kernel design (§3.5); dtype: float32 (default), bfloat16 or float16.
-    Raises ValueError / TypeError (float64 or other dtypes, seed type) at construction.
+    Raises ValueError / TypeError (float64 or other dtypes, seed type) at construction; impl
+    "triton" on CPU tensors without TRITON_INTERPRET=1 raises RuntimeError at the first training
+    forward (the layer may be moved to a GPU before that).
 
     Parameters: weight (out, in) and bias as nn.Linear, `b_i` (ceil(out/32), ceil(in/32)) init 1
     (put weight decay on it to pull b_t to b_target), float32 whatever the weight dtype: b_i

@@ -2753,6 +2753,15 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.apply_noise(w, torch.zeros(70, 5, dtype=torch.int32), bt)
     with pytest.raises(ValueError, match="x has 44 features"):
         g.pqt_linear(torch.randn(2, 44), w, bt, None, 0)
+    with pytest.raises(ValueError, match=r"bias has shape \(69,\); w \(70, 45\) needs \(70,\)"):
+        g.pqt_linear(torch.randn(2, 45), w, bt, torch.zeros(69), 0)
+    with pytest.raises(TypeError, match="out_dtype=torch.float64"):
+        g.apply_noise(w, g.generate_noise(w.shape, 0), bt, out_dtype=torch.float64)
+    with pytest.raises(TypeError, match="noise must be a torch.Tensor"):
+        g.apply_noise(w, [[1]], bt)
+    for shape in ((2.5, 3), (True, 3), ("3", 4), (3,), (0, 4)):
+        with pytest.raises(ValueError, match="shape must be \\(m, n\\), two ints >= 1"):
+            g.generate_noise(shape, 0)
     with pytest.raises(ValueError, match=r"unknown part\(s\) \['attn'\]"):
         g.apply_pqt(_gpt2_like(), parts="qkv,attn")
     with pytest.raises(ValueError, match="no nn.Linear named"):
@@ -2774,6 +2783,22 @@ def _gpt(kind):
 
 def _untouched(model):
     return not g.pqt_layers(model)
+
+
+def test_sample_without_autocast_takes_the_bias_and_apply_noise_no_autograd():
+    """Outside autocast a BF16 x with FP32 weight and bias works in both memory modes and gives
+    the same output (the bias is cast to w_hat's dtype, as autocast casts it); `apply_noise`
+    makes no autograd graph."""
+    torch.manual_seed(3)
+    w, bias = torch.randn(33, 100, requires_grad=True), torch.randn(33, requires_grad=True)
+    bt = torch.full(g.tile_grid(33, 100), 5.0, requires_grad=True)
+    x = torch.randn(4, 100).bfloat16()
+    ys = [g.pqt_linear(x, w, bt, bias, 3, memory=mem, impl="torch") for mem in ("save", "recompute")]
+    assert ys[0].dtype == torch.bfloat16 and torch.equal(ys[0], ys[1])
+    ys[0].float().sum().backward()
+    assert bias.grad.dtype == torch.float32 and bias.grad.abs().sum() > 0
+    w_hat, tmax = g.apply_noise(w, g.generate_noise(w.shape, 0), bt, impl="torch")
+    assert not w_hat.requires_grad and not tmax.requires_grad
 
 
 def test_b_target_above_b_init_is_rejected_and_equal_is_fixed_bitwidth():
@@ -5348,12 +5373,16 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
                       (["--only", "fsdp", "--reps", "0"], "--reps 0"),
                       (["--only", "train", "--table1", "--models", "llama-1b,llama-7b"], "--models llama-1b,llama-7b"),
                       (["--only", "train", "--no-gpt2"], "nothing to run"),
+                      (["--only", "train", "--modes", "default,fast"], "allowed default, reduce-overhead"),
+                      (["--only", "train", "--pairs", "0"], "--pairs 0"),
+                      (["--only", "train", "--table1", "--optims", "zipsr,zipsr"], "each once"),
                       (["--only", "fsdp", "--iters", "10"], "more than 10")):   # before any GPU check
         monkeypatch.setattr(sys, "argv", ["bench.py", *bad])
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
             bench.main()
-        assert e.value.code == 2 and said in capsys.readouterr().err, bad
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and said in err and len(err.splitlines()) == 1, (bad, err)
     if not torch.cuda.is_available():
         monkeypatch.setattr(sys, "argv", ["bench.py", "--only", "noise"])
         with pytest.raises(SystemExit, match="--only noise needs a CUDA GPU"):

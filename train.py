@@ -92,6 +92,9 @@ def say(*a):
 
 # ----------------------------------------------------------------------------- flags
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")   # torch.compile's
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line (no usage dump) and exits with status 2."""
 
@@ -175,8 +178,7 @@ def build_parser():
                         "split without overlap; 0 = no eval; auto: 64 CPU, 256 CUDA (capped to what fits)")
     g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
                    help="torch.compile the model; default: on for CUDA, off on CPU")
-    g.add_argument("--compile_mode", default="default",
-                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    g.add_argument("--compile_mode", default="default", choices=COMPILE_MODES,
                    help="torch.compile mode; reduce-overhead replays CUDA graphs (less CPU launch time)")
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="autocast dtype; auto: bfloat16 on CUDA (FP32 master weights), float32 on CPU")
