@@ -20,7 +20,8 @@ or SIGTERM stops at the next step boundary with a checkpoint and prints the comm
 continues the run (exit status 130 / 143).
 
 Training longer: --resume with a larger --max_iters (or --tokens_per_param) goes on from the
-checkpoint under the schedule recomputed for the new length N; every other flag must match. Warmup
+checkpoint under the schedule recomputed for the new length N; every other flag must match, except
+those that leave the numbers alone (eval, compile, device, threads, out_dir: RESUME_FREE). Warmup
 and cooldown are shares of N, so WSD's cooldown moves to the last round(cooldown_frac * N) steps.
 A run stopped on the plateau (--stop_after) goes on at the peak lr without a jump. A finished WSD
 run of T steps has cooled down (its last step used lr * (1 - sqrt(1 - 1/D)), D its cooldown
@@ -196,7 +197,8 @@ def build_parser():
                         "at the next step boundary")
     g.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue from OUT_DIR/ckpt.pt, or from the given checkpoint or out_dir; --max_iters / "
-                        "--tokens_per_param / --stop_after may change, every other flag must match")
+                        "--tokens_per_param / --stop_after may change, and the flags that leave the numbers alone "
+                        "(eval, compile, device, threads); every other flag must match")
     g.add_argument("--overwrite", action="store_true",
                    help="start a fresh run in an --out_dir that holds a checkpoint, replacing it and log.jsonl")
     g.add_argument("--plot", default=True, action=argparse.BooleanOptionalAction,
