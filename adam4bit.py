@@ -702,11 +702,18 @@ def _check_hparams(h, where):
         raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
 
 
+def _lr_on_device(lr):
+    """A one-element lr tensor off the CPU: reading its value would wait for the device."""
+    return torch.is_tensor(lr) and lr.device.type != "cpu" and lr.numel() == 1
+
+
 def _hparams_key(group):
-    """What `_check_hparams` looks at in a group, comparable without reading a tensor lr."""
+    """What `_check_hparams` looks at in a group, comparable without waiting for the device: a
+    CPU lr tensor by its value (also changed in place), a device one by its identity."""
     lr, betas = group["lr"], group["betas"]
-    return (id(lr) if torch.is_tensor(lr) else lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas,
-            group["eps"], group["weight_decay"])
+    if torch.is_tensor(lr):
+        lr = (id(lr), None if _lr_on_device(lr) or lr.numel() != 1 else lr.item())
+    return lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas, group["eps"], group["weight_decay"]
 
 
 def _quantizer_config(preset, block_size, m_codebook, m_rounding, v_codebook, v_rounding, eden,
@@ -1084,10 +1091,11 @@ class AdamW4bit(torch.optim.Optimizer):
     # ---- step ---------------------------------------------------------------------------------
     def _check_group(self, gi, group, lr_value=True):
         """The hyperparameter checks of group gi (`_check_hparams`; with capturable=True, betas whose
-        bias corrections reach 1 within the table's rows). lr_value=False skips a tensor lr's
-        value (reading it waits for the GPU)."""
+        bias corrections reach 1 within the table's rows). lr_value=False skips the value of a
+        one-element lr tensor on the GPU (reading it waits for the GPU); its shape and a CPU
+        tensor's value are checked."""
         where = f"param group {gi}: "
-        _check_hparams(group if lr_value or not torch.is_tensor(group["lr"]) else dict(group, lr=0.0), where)
+        _check_hparams(dict(group, lr=0.0) if not lr_value and _lr_on_device(group["lr"]) else group, where)
         if self.capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= _BIAS_ROWS_MAX
                                    for b in group["betas"]):
             raise ValueError(f"{where}capturable=True needs betas whose bias corrections reach 1 within "

@@ -677,7 +677,10 @@ def test_hyperparameters_changed_after_construction_are_checked_at_step(capturab
     for key, value, says in [("lr", float("nan"), "lr must be finite"), ("lr", -1.0, "lr must be finite"),
                              ("betas", (0.9, 1.5), "betas must be two numbers"), ("betas", 0.9, "betas"),
                              ("betas", (1.0, 0.999), "betas"), ("eps", 0.0, "eps must be finite"),
-                             ("weight_decay", float("inf"), "weight_decay")]:
+                             ("weight_decay", float("inf"), "weight_decay"),
+                             ("lr", torch.tensor(float("nan")), "lr must be finite"),
+                             ("lr", torch.tensor(-1.0), "lr must be finite"),
+                             ("lr", torch.tensor([1e-3, 1e-3]), "lr tensor must have one element")]:
         good = opt.param_groups[0][key]
         opt.param_groups[0][key] = value
         before = p.detach().clone()
@@ -685,6 +688,13 @@ def test_hyperparameters_changed_after_construction_are_checked_at_step(capturab
             opt.step()
         assert torch.equal(p, before), key
         opt.param_groups[0][key] = good
+    lr = opt.param_groups[0]["lr"] = torch.tensor(1e-3)     # a CPU tensor lr changed in place
+    opt.step()
+    lr.fill_(float("nan"))
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="param group 0: lr must be finite"):
+        opt.step()
+    assert torch.equal(p, before)
     opt.param_groups[0]["lr"] = 2e-3
     before = p.detach().clone()
     opt.step()
