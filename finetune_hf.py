@@ -34,21 +34,21 @@ def parse_args(argv=None):
                    help="Hugging Face model name or local path; default: a tiny Llama built from a config, byte tokens")
     p.add_argument("--out", default=None,
                    help="folder for the plain model (save_pretrained), with --model's tokenizer when --model is given")
-    p.add_argument("--method", default="gaussws", choices=gaussws.METHODS)
+    p.add_argument("--method", default="gaussws", choices=gaussws.METHODS, help="PQT method of apply_pqt")
     p.add_argument("--parts", default="all",
                    help="'all', 'od' or a list such as 'q,k,v,out' or 'q_proj,o_proj' (gaussws.apply_pqt)")
-    p.add_argument("--b_init", type=float, default=6.0)
-    p.add_argument("--b_target", type=float, default=4.0)
+    p.add_argument("--b_init", type=float, default=6.0, help="bits b_t starts at (paper A eq. 11)")
+    p.add_argument("--b_target", type=float, default=4.0, help="bits weight decay pulls b_t to (eq. 11)")
     p.add_argument("--bits_wd", type=float, default=0.1, help="weight decay on b_i")
-    p.add_argument("--optim", default="zipsr", choices=sorted(PRESETS))
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--weight_decay", type=float, default=0.1)
-    p.add_argument("--max_steps", type=int, default=100)
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--optim", default="zipsr", choices=sorted(PRESETS), help="AdamW4bit preset")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay of the weights")
+    p.add_argument("--max_steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--batch_size", type=int, default=8, help="windows per step")
     p.add_argument("--block_size", type=int, default=128, help="tokens per training window")
     p.add_argument("--cast", default="tiers",
                    help="'none' (remove_pqt's cast=None: weights as trained), 'tiers' or an FP format such as e3m4")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="model init, data order and GaussWS noise")
     args = p.parse_args(argv)
     # every input is checked here, before a model is loaded or trained: one line, no traceback
     if os.path.isdir(args.text):
