@@ -4479,6 +4479,13 @@ def test_resume_covers_the_whole_run_and_a_finished_run_is_left_alone(corpus, tm
     train.main(args + ["--stop_after", "4", "--resume"])
     assert "already at --stop_after 4" in capsys.readouterr().out
     assert (out / "log.jsonl").read_bytes() == before
+    # resumed into another --out_dir, the new log holds one eval: its value, no "X -> X"
+    capsys.readouterr()
+    other = train.main(base_args(corpus, tmp_path / "n", "--max_iters", "8", "--eval_interval", "4")
+                       + ["--resume", str(out)])
+    printed = capsys.readouterr().out
+    v = other["final_val_loss"]
+    assert f"val loss {v:.4f}, " in printed and f"{v:.4f} ->" not in printed
     # resume to the end: first -> last val loss spans the whole run, not just the resumed part
     s = train.main(args + ["--resume"])
     log = read_log(out)

@@ -1070,6 +1070,7 @@ class RunLog:
                         mininterval=0.5, desc="train")
         old = [r["val_loss"] for r in kept if r.get("type") == "eval"]  # a resumed run's earlier evals
         self.first_val, self.last_val = (old[0], old[-1]) if old else (None, None)
+        self.n_evals = len(old)
         self.best_val = best_val
         self.pending, self.step_times, self.recent_losses = None, [], []
         self.last_ckpt = start_iter if args.resume else None
@@ -1131,6 +1132,7 @@ class RunLog:
         and, under PQT, the bitwidth statistics `bits`."""
         self.first_val = val if self.first_val is None else self.first_val
         self.last_val, self.best_val = val, min(self.best_val, val)
+        self.n_evals += 1
         train_loss = float(np.mean(self.recent_losses)) if self.recent_losses else None
         self.recent_losses.clear()
         rec = {"type": "eval", "iter": it, "val_loss": val, "train_loss": train_loss,
@@ -1203,10 +1205,12 @@ class RunLog:
         if not self.proc.master:
             return summary
         first, last = self.first_val, self.last_val
+        # first -> last over this log's evals (a resume into another --out_dir has only its own)
+        val = "" if last is None else f"val loss {first:.4f} -> {last:.4f}, " if self.n_evals > 1 else f"val loss {last:.4f}, "
         say(f"done: {it - self.start_iter} steps" + (f" (resumed at step {self.start_iter})" if self.start_iter else "")
             + f" in {elapsed:.1f}s, "
             + (f"{summary['tokens_per_s']:,.0f} tokens/s (median), " if summary["tokens_per_s"] else "")
-            + (f"val loss {first:.4f} -> {last:.4f}, " if first is not None and last is not None else "")
+            + val
             + f"peak memory {summary['peak_mem_mb']:,.0f} MB, optimizer state {summary['optimizer_state_mb']:.2f} MB"
             + (f", mean b_t {b_t_mean:.3f}" if b_t_mean is not None else ""))
         say(f"checkpoint {self.ckpt_path}, log {self.path}")
