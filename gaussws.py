@@ -670,7 +670,7 @@ def _apply_torch(w, noise, pow2, method, out_dtype):
 def _tile_bits_torch(b, b_target, b_scale):
     """(b_t, 2^(1−clamp(b_t))) float32 of eq. 11 and eq. 3 from b: b_t = b_target + b·b_scale
     (a layer: b = b_i, b_scale = b_init − b_target; the public calls: b = b_t, (0, 1))."""
-    b_t = b_target + b.float() * b_scale
+    b_t = _scaled_bits(b, b_target, b_scale)
     return b_t, _pow2(b_t)
 
 
@@ -747,7 +747,7 @@ def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_w
     b_target, b_scale = _f32(b_target), _f32(b_scale)   # torch's float32 scalars, also in the interpreter
     r = w if mode == 2 else noise   # unused pointer in fused mode
     _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, tmax if pow2 is None else pow2, w_hat, tmax, seed,
-                                             b, live, float(b_target), float(b_scale), m, n, -(-n // 8), tn,
+                                             b, live, b_target, b_scale, m, n, -(-n // 8), tn,
                                              NOISE=mode, BT=bt, BITS=bits is not None, B_LO=B_MIN,
                                              B_HI=B_MAX, INTERPRET=_INTERPRET, num_warps=num_warps)
     return (w_hat, tmax) if bits is None else (w_hat, tmax, live)
@@ -1154,7 +1154,13 @@ def _check_bits(b_init, b_target):
 
 def _bitwidth(b_i, b_init, b_target):
     """eq. 11: b_t = b_target + b_i·(b_init − b_target), float32, not clamped."""
-    return b_target + b_i.float() * (b_init - b_target)
+    return _scaled_bits(b_i, b_target, b_init - b_target)
+
+
+def _scaled_bits(b, b_target, b_scale):
+    """eq. 11 with b_scale = b_init − b_target given: b_target + b·b_scale, float32 (b_scale 1,
+    b_target 0: the public calls' b_t itself)."""
+    return b_target + b.float() * b_scale
 
 
 def bitwidth_penalty(model):

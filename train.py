@@ -1204,9 +1204,12 @@ class RunLog:
         self.write(summary)
         if not self.proc.master:
             return summary
-        first, last = self.first_val, self.last_val
         # first -> last over this log's evals (a resume into another --out_dir has only its own)
-        val = "" if last is None else f"val loss {first:.4f} -> {last:.4f}, " if self.n_evals > 1 else f"val loss {last:.4f}, "
+        val = ""
+        if self.n_evals == 1:
+            val = f"val loss {self.last_val:.4f}, "
+        elif self.n_evals > 1:
+            val = f"val loss {self.first_val:.4f} -> {self.last_val:.4f}, "
         say(f"done: {it - self.start_iter} steps" + (f" (resumed at step {self.start_iter})" if self.start_iter else "")
             + f" in {elapsed:.1f}s, "
             + (f"{summary['tokens_per_s']:,.0f} tokens/s (median), " if summary["tokens_per_s"] else "")
