@@ -11,6 +11,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only train    # GPT-2-124M compiled: bf16 vs GaussWS vs plain-PyTorch eq. 3
     python bench.py --only train --table1 --compile   # + paper A Table 1 (llama-134m ... 70b-4l)
     python bench.py --only train --table1 --compile --no-gpt2 --models llama-1b   # one Table 1 row
+    python bench.py --only train --table1 --compile blocks --no-gpt2   # Table 1, each block compiled
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
     python bench.py --only fsdp              # train.py --fsdp under torchrun vs the plain path, same GPU, compiled
     python bench.py --only fsdp --eager      # the same with train.py --no-compile
@@ -390,7 +391,8 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
                  master_weight_bits=None):
     """Model (preset, PQT method on [all]; parameters in param_dtype "fp32"|"bf16"), optimizer
     (train.py's) and one training step closure on random tokens (throughput does not depend on
-    the data)."""
+    the data). compile: False, True (the whole model, as train.py) or "blocks" (each transformer
+    block, the embeddings, final norm, LM head and loss eager)."""
     import train as trainer
     from model import GPT, preset_config
     torch.manual_seed(0)
@@ -405,6 +407,10 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
                               master_weight_bits=master_weight_bits)
     opt = trainer.build_optimizer(args, model, device.type)
     fwd = torch.compile(model) if compile else model
+    if compile == "blocks":  # regional compilation: Dynamo compiles Block.forward once, all blocks reuse it
+        fwd = model
+        for block in model.blocks:
+            block.compile()
     V = model.config.vocab_size
     x = torch.randint(0, V, (batch, T), device=device)
     y = torch.randint(0, V, (batch, T), device=device)
@@ -850,7 +856,10 @@ def build_parser():
                     help="--only ddp: training steps (default 300); --only fsdp: (default 40); --only quality: train.py --max_iters "
                          "instead of --tokens_per_param")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
-    ap.add_argument("--compile", action="store_true", help="--only train --table1: torch.compile each model (slow to start)")
+    ap.add_argument("--compile", nargs="?", const="model", choices=["model", "blocks"], default=None,
+                    help="--only train --table1: torch.compile each model whole (slow to start: minutes for the "
+                         "larger ones), or with 'blocks' each transformer block (compiled once per model, "
+                         "reused by all its blocks)")
     ap.add_argument("--table1", action="store_true", help="--only train: also paper A Table 1 (llama-134m ... "
                                                           "70b-4l; eager unless --compile)")
     ap.add_argument("--modes", default="default", help="--only train: torch.compile modes of the GPT-2 comparison, "
@@ -922,14 +931,16 @@ def main(argv=None):
     if args.only in (None, "train"):
         # Table 1 alone or a subset of its rows is saved apart, so one model per run can fill the table
         models = args.models.split(",")
-        section = "train" if args.gpt2 else "train_table1" + ("_compiled" if args.compile else "") + (
+        compiled = {None: "", "model": "_compiled", "blocks": "_compiled_blocks"}[args.compile]
+        section = "train" if args.gpt2 else "train_table1" + compiled + (
             "" if len(models) == len(TABLE1) else "_" + "_".join(models))
         res = bench_train_gpt2(modes=args.modes.split(","), pairs=args.pairs) if args.gpt2 else dict(rows=[])
         if args.gpt2:
             save(section, dict(res, partial=args.table1))
         if args.table1:
             t1 = bench_train(cases=[c for c in TABLE1 if c[0] in models], optims=tuple(args.optims.split(",")),
-                             methods=tuple(args.methods.split(",")), compile=args.compile,
+                             methods=tuple(args.methods.split(",")),
+                             compile={None: False, "model": True, "blocks": "blocks"}[args.compile],
                              on_row=lambda rows: save(section, dict(res, rows=res["rows"] + rows, partial=True)))
             save(section, dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"],
                                command="python bench.py " + shlex.join(argv)))

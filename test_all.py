@@ -5422,6 +5422,17 @@ def test_bench_table1_rows_alone(monkeypatch):
     assert section == "train_table1_compiled_llama-3b_llama-1b" and [r["model"] for r in result["rows"]] == [
         "llama-1b", "llama-3b"]
     assert result["command"].endswith("--models llama-3b,llama-1b --methods bf16,gaussws --optims adamw")
+    bench.main(["--only", "train", "--table1", "--compile", "blocks", "--no-gpt2", "--models", "llama-1b"])
+    assert seen["compile"] == "blocks" and saved[-1][0] == "train_table1_compiled_blocks_llama-1b"
+
+
+def test_bench_compile_blocks_compiles_each_block_and_nothing_else():
+    """Table 1 with `--compile blocks`: every transformer block is compiled (one graph that all
+    blocks share), the model around them runs eager."""
+    model, _, _ = bench._train_setup("nano-llama", "gaussws", "zipsr", 2, 16, torch.device("cpu"), "blocks")
+    assert all(b._compiled_call_impl is not None for b in model.blocks)
+    assert all(m._compiled_call_impl is None for m in model.modules() if not isinstance(m, type(model.blocks[0]))
+               and not any(m is s for b in model.blocks for s in b.modules()))
 
 
 def test_quality_bench_sigterm_ends_its_runs(corpus, tmp_path):
