@@ -15,6 +15,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
     python bench.py --only fsdp              # train.py --fsdp under torchrun vs the plain path, same GPU, compiled
     python bench.py --only fsdp --eager      # the same with train.py --no-compile
+    python bench.py --only fsdp --train_args "--batch_size 32 --grad_accum 1"   # other train.py flags
 
 The paper-reproduction runs and the figures live in experiments.py; these two run its code:
 
@@ -29,6 +30,7 @@ import datetime
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -899,6 +901,10 @@ def check_args(ap, args):
         ap.error("--no-gpt2 without --table1: nothing to run")
     if args.reps < 1:
         ap.error(f"--reps {args.reps}: need at least 1")
+    try:
+        shlex.split(args.train_args)
+    except ValueError as e:
+        ap.error(f"--train_args {args.train_args!r}: {e} (quote it as one shell word)")
     if args.only == "fsdp" and args.iters is not None and args.iters <= FSDP_WARMUP:
         ap.error(f"--iters {args.iters}: --only fsdp times the steps from {FSDP_WARMUP} on, so it needs more "
                  f"than {FSDP_WARMUP}")
@@ -954,9 +960,10 @@ def main(argv=None):
         flags = ["--preset", "gpt2-124m", "--dataset", args.dataset, "--tokenizer", "byte", "--method", "gaussws",
                  "--optim", "zipsr", "--batch_size", "16", "--grad_accum", "2", "--max_iters", str(args.iters or 40),
                  "--eval_interval", "1000", "--eval_windows", "16", "--no-plot"]
-        flags += ["--no-compile"] if args.eager else []
-        save("fsdp_eager" if args.eager else "fsdp",
-             bench_fsdp(flags, reps=args.reps, command="python bench.py " + shlex.join(argv)))
+        flags += (["--no-compile"] if args.eager else []) + shlex.split(args.train_args)  # later flags win
+        section = ("fsdp_eager" if args.eager else "fsdp") + (
+            "_" + re.sub(r"[^A-Za-z0-9]+", "_", args.train_args).strip("_") if args.train_args else "")
+        save(section, bench_fsdp(flags, reps=args.reps, command="python bench.py " + shlex.join(argv)))
 
 
 if __name__ == "__main__":
