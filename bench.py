@@ -430,50 +430,61 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
 
 
 def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gaussws", "diffq"),
-                steps=20, T=2048, device="cuda", compile=False, on_row=None):
+                steps=20, T=2048, device="cuda", compile=False, rounds=1, on_row=None):
     """Paper A Table 1: step time (on CUDA: `steps` steps queued back to back, as train.py runs
     them; on CPU the median step) -> tokens/s and peak memory per (model, optimizer,
     method), overhead vs BF16 and its geometric mean over models (paper: 3.14 % GaussWS,
-    22.34 % DiffQ with AdamW on an A100). Eager by default: compiling 24 models of up to 4B
-    parameters takes longer than measuring them; train.py's compiled throughput is measured with
-    train.py itself (README). on_row(rows): called after each measured row (main
-    saves the partial table, so a run stopped by a time limit keeps what it measured)."""
+    22.34 % DiffQ with AdamW on an A100). Each (model, optimizer) runs its methods in `rounds`
+    interleaved rounds (bf16, gaussws, ..., bf16, gaussws, ...), each model built again per round
+    (compiled ones then come from the compile cache): the GPU's clock drifts between runs, so a
+    row's overhead is the mean over rounds of 1 − (BF16 step time / its step time) in the same
+    round. Eager by default: compiling 24 models of up to 4B parameters takes longer than
+    measuring them. on_row(rows): called after each (model, optimizer) (main saves the partial
+    table, so a run stopped by a time limit keeps what it measured)."""
     device = torch.device(device)
     rows = []
     for preset, batch in cases:
         for optim in optims:
-            base = None
-            for method in methods:
-                model, opt, step = _train_setup(preset, method, optim, batch, T, device, compile)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                for _ in range(3):                           # compile and warm up
-                    step()
-                if device.type == "cuda":
-                    ms = _queued_steps_ms(step, steps)
-                else:
-                    times = []
-                    for _ in range(steps):
-                        t = datetime.datetime.now()
+            ms, peak = {m: [] for m in methods}, {m: 0.0 for m in methods}
+            for rnd in range(rounds):
+                for method in methods:
+                    model, opt, step = _train_setup(preset, method, optim, batch, T, device, compile)
+                    params = model.num_params()
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    for _ in range(3):                           # compile and warm up
                         step()
-                        times.append((datetime.datetime.now() - t).total_seconds() * 1e3)
-                    ms = sorted(times)[len(times) // 2]
-                tps = batch * T / (ms * 1e-3)
-                base = tps if method == "bf16" else base
-                peak = torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else float("nan")
-                rows.append(dict(model=preset, params=model.num_params(), batch=batch, T=T, optim=optim,
-                                 method=method, compiled=compile, step_ms=ms, tokens_per_s=tps, peak_GiB=peak,
-                                 overhead_pct=(100 * (1 - tps / base)) if base else None,
+                    if device.type == "cuda":
+                        ms[method].append(_queued_steps_ms(step, steps))
+                        peak[method] = max(peak[method], torch.cuda.max_memory_allocated() / 2 ** 30)
+                    else:
+                        times = []
+                        for _ in range(steps):
+                            t = datetime.datetime.now()
+                            step()
+                            times.append((datetime.datetime.now() - t).total_seconds() * 1e3)
+                        ms[method].append(sorted(times)[len(times) // 2])
+                        peak[method] = float("nan")
+                    print(f"{preset:14s} B={batch:<3d} {optim:6s} {method:8s} round {rnd}: {ms[method][-1]:9.2f} ms",
+                          flush=True)
+                    del model, opt, step
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            for method in methods:
+                ov = [100 * (1 - b / m) for b, m in zip(ms[methods[0]], ms[method])]
+                med = statistics.median(ms[method])
+                rows.append(dict(model=preset, params=params, batch=batch, T=T, optim=optim, method=method,
+                                 compiled=compile, step_ms=med, step_ms_rounds=ms[method],
+                                 tokens_per_s=batch * T / (med * 1e-3), peak_GiB=peak[method],
+                                 overhead_pct=statistics.mean(ov),
+                                 overhead_pct_rounds=ov,
                                  command=f"python bench.py --only train  # {preset} {method} {optim}"))
                 r = rows[-1]
-                print(f"{preset:14s} B={batch:<3d} {optim:6s} {method:8s} {ms:9.2f} ms {tps:12,.0f} tok/s "
-                      f"{peak:7.2f} GiB overhead {r['overhead_pct'] if r['overhead_pct'] is not None else 0:6.2f} %",
-                      flush=True)
-                del model, opt, step
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                if on_row:
-                    on_row(rows)
+                print(f"{preset:14s} B={batch:<3d} {optim:6s} {method:8s} {med:9.2f} ms {r['tokens_per_s']:12,.0f} "
+                      f"tok/s {r['peak_GiB']:7.2f} GiB overhead {r['overhead_pct']:6.2f} % "
+                      f"(rounds: {' / '.join(f'{o:+.2f}' for o in ov)})", flush=True)
+            if on_row:
+                on_row(rows)
     geo = {}
     for optim in optims:
         for method in methods[1:]:
@@ -866,7 +877,8 @@ def build_parser():
                                                           "70b-4l; eager unless --compile)")
     ap.add_argument("--modes", default="default", help="--only train: torch.compile modes of the GPT-2 comparison, "
                                                        "comma-separated (default, reduce-overhead)")
-    ap.add_argument("--pairs", type=int, default=2, help="--only train: interleaved rounds of the GPT-2 comparison")
+    ap.add_argument("--pairs", type=int, default=2, help="--only train: interleaved rounds of the GPT-2 comparison "
+                                                         "and of each Table 1 model")
     ap.add_argument("--gpt2", default=True, action=argparse.BooleanOptionalAction,
                     help="--only train: the GPT-2 comparison (--no-gpt2 --table1: Table 1 alone)")
     ap.add_argument("--models", default=",".join(p for p, _ in TABLE1),
@@ -945,7 +957,7 @@ def main(argv=None):
             save(section, dict(res, partial=args.table1))
         if args.table1:
             t1 = bench_train(cases=[c for c in TABLE1 if c[0] in models], optims=tuple(args.optims.split(",")),
-                             methods=tuple(args.methods.split(",")),
+                             methods=tuple(args.methods.split(",")), rounds=args.pairs,
                              compile={None: False, "model": True, "blocks": "blocks"}[args.compile],
                              on_row=lambda rows: save(section, dict(res, rows=res["rows"] + rows, partial=True)))
             save(section, dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"],

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -5216,10 +5217,15 @@ def test_bench_train_runs_every_method_on_cpu():
     import bench
     seen = []
     res = bench.bench_train(cases=[("nano", 2)], optims=("adamw",), steps=1, T=64, device="cpu",
-                            compile=False, on_row=lambda rows: seen.append(len(rows)))
+                            compile=False, rounds=2, on_row=lambda rows: seen.append(len(rows)))
     assert [r["method"] for r in res["rows"]] == ["bf16", "gaussws", "diffq"]
-    assert seen == [1, 2, 3]                   # partial tables after each row
+    assert seen == [3]                         # the partial table after each (model, optimizer)
     assert res["rows"][0]["overhead_pct"] == 0.0
+    for r in res["rows"]:                      # each round's overhead against that round's BF16 step
+        assert len(r["step_ms_rounds"]) == 2 and r["step_ms"] == statistics.median(r["step_ms_rounds"])
+        assert r["overhead_pct_rounds"] == [100 * (1 - b / m) for b, m in zip(
+            res["rows"][0]["step_ms_rounds"], r["step_ms_rounds"])]
+        assert r["overhead_pct"] == statistics.mean(r["overhead_pct_rounds"])
     assert all(r["tokens_per_s"] > 0 for r in res["rows"])
     assert set(res["geomean_overhead_pct"]) == {"gaussws/adamw", "diffq/adamw"}
 
@@ -5416,7 +5422,7 @@ def test_bench_table1_rows_alone(monkeypatch):
     monkeypatch.setattr(bench, "save", lambda section, result, path=None: saved.append((section, result)))
     bench.main(["--only", "train", "--table1", "--compile", "--no-gpt2", "--models", "llama-3b,llama-1b",
                 "--methods", "bf16,gaussws", "--optims", "adamw"])
-    assert seen["cases"] == [("llama-1b", 8), ("llama-3b", 2)] and seen["compile"]
+    assert seen["cases"] == [("llama-1b", 8), ("llama-3b", 2)] and seen["compile"] and seen["rounds"] == 2
     assert seen["methods"] == ("bf16", "gaussws") and seen["optims"] == ("adamw",)
     section, result = saved[-1]
     assert section == "train_table1_compiled_llama-3b_llama-1b" and [r["model"] for r in result["rows"]] == [
