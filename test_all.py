@@ -4429,6 +4429,19 @@ def test_bad_flags_fail_before_data_or_model(flags, words, capsys, monkeypatch, 
     assert not (tmp_path / "o").exists()
 
 
+def test_flags_the_run_does_not_read_are_named_in_one_line(capsys):
+    p = train.build_parser()
+    for flags, said in ((["--method", "bf16", "--b_init", "8", "--parts", "qkv"],
+                         "note: not used by this run: --parts qkv (with --method bf16), --b_init 8 (with --method bf16)"),
+                        (["--schedule", "cosine", "--cooldown_frac", "0.2"],
+                         "note: not used by this run: --cooldown_frac 0.2 (with --schedule cosine)"),
+                        (["--method", "gaussws", "--b_init", "8", "--min_lr_frac", "0.2"],
+                         "note: not used by this run: --min_lr_frac 0.2 (with --schedule wsd)"),
+                        (["--method", "bf16", "--schedule", "cosine", "--min_lr_frac", "0.2"], "")):
+        train.resolve_args(p.parse_args(["--preset", "nano", *flags]), p, cuda=False)
+        assert capsys.readouterr().out.strip() == said, flags
+
+
 def test_edge_flag_values_are_accepted():
     p = train.build_parser()
     args = p.parse_args(["--preset", "nano", "--beta1", "0", "--grad_clip", "0", "--warmup_frac", "0",
@@ -5126,6 +5139,15 @@ def test_grad_accum_not_divisible_by_the_processes(corpus, tmp_path, monkeypatch
     _as_fsdp_rank(monkeypatch, world=2)
     with pytest.raises(train.RunError, match="^--grad_accum 3 must be divisible by the number of processes \\(2\\)$"):
         train.main(base_args(corpus, tmp_path / "o", "--grad_accum", "3"))
+    seen = []                   # without --grad_accum: one micro-batch per process
+
+    def stop(args, proc):
+        seen.append(args.grad_accum)
+        raise train.RunError("stop")
+    monkeypatch.setattr(train, "check_out_dir", stop)
+    with pytest.raises(train.RunError, match="^stop$"):
+        train.main(base_args(corpus, tmp_path / "o"))
+    assert seen == [2]
 
 
 def test_train_bf16_params_with_master_weight_bits_resumes(corpus, tmp_path):

@@ -160,8 +160,9 @@ def build_parser():
     g.add_argument("--grad_clip", type=float, default=1.0, help="global grad-norm clip; 0 = off")
     g = p.add_argument_group("batch and length")
     g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch per GPU")
-    g.add_argument("--grad_accum", type=int, default=1,
-                   help="micro-batches per step summed over all processes (must divide by their count)")
+    g.add_argument("--grad_accum", type=int, default=None,
+                   help="micro-batches per step summed over all processes (must divide by their count); "
+                        "default: one per process")
     g.add_argument("--max_iters", type=int, default=None,
                    help="optimizer steps; auto: 300 on CPU, 5000 on CUDA. With --resume a larger value trains "
                         "longer under the schedule recomputed for it: WSD's cooldown moves to the new end, so "
@@ -292,6 +293,7 @@ def resolve_args(args, parser, cuda):
         if bad or not args.parts:
             parser.error(f"--parts {args.parts!r}: unknown part(s) {', '.join(bad) or '(empty)'} for preset "
                          f"{args.preset}; allowed: all, od, or a comma list of {','.join(allowed)}")
+    say_ignored_flags(args, parser)
     try:
         datamod.check_dataset_arg(args.dataset)
     except ValueError as e:
@@ -305,6 +307,20 @@ def optimizer_overrides(args):
     """AdamW4bit component overrides given on the command line ({} when none): v_codebook,
     v_rounding (None = the preset's, so they are not passed)."""
     return {k: getattr(args, k, None) for k in ("v_codebook", "v_rounding") if getattr(args, k, None) is not None}
+
+
+def say_ignored_flags(args, parser):
+    """One line naming the flags set away from their default that this run does not read (PQT flags
+    with --method bf16, --cooldown_frac outside WSD, --min_lr_frac outside cosine): the run goes on,
+    but a typo in --method or --schedule shows."""
+    unread = [(n, "--method bf16") for n in ("parts", "b_init", "b_target", "bits_wd", "bits_lambda", "pqt_memory")
+              if args.method == "bf16"]
+    unread += [("cooldown_frac", f"--schedule {args.schedule}")] if args.schedule != "wsd" else []
+    unread += [("min_lr_frac", f"--schedule {args.schedule}")] if args.schedule != "cosine" else []
+    unread = [f"--{n} {getattr(args, n):{'g' if isinstance(getattr(args, n), float) else ''}} (with {why})"
+              for n, why in unread if getattr(args, n) != parser.get_default(n)]
+    if unread:
+        say(f"note: not used by this run: {', '.join(unread)}")
 
 
 def check_fsdp_flags(parser, args):
@@ -1419,6 +1435,8 @@ def main(argv=None):
     resolve_args(args, parser, proc.device_type == "cuda")
     setup_threads(args, proc)
     try:
+        if args.grad_accum is None:
+            args.grad_accum = proc.world
         if args.grad_accum % proc.world:
             raise RunError(f"--grad_accum {args.grad_accum} must be divisible by the number of processes ({proc.world})")
         torch.manual_seed(args.seed)
