@@ -408,9 +408,8 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
                               weight_decay=0.1, bits_wd=0.0, seed=0, param_rounding="rtn",
                               master_weight_bits=master_weight_bits)
     opt = trainer.build_optimizer(args, model, device.type)
-    fwd = torch.compile(model) if compile else model
+    fwd = torch.compile(model) if compile is True else model
     if compile == "blocks":  # regional compilation: Dynamo compiles Block.forward once, all blocks reuse it
-        fwd = model
         for block in model.blocks:
             block.compile()
     V = model.config.vocab_size
