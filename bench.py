@@ -910,6 +910,11 @@ def check_args(ap, args):
         ap.error(f"--pairs {args.pairs}: need at least 1")
     if not args.gpt2 and not args.table1:
         ap.error("--no-gpt2 without --table1: nothing to run")
+    if not args.table1 and (args.compile or args.models != ap.get_default("models")):
+        ap.error(f"{'--compile' if args.compile else '--models'} without --table1: it picks how Table 1 runs "
+                 "(add --table1)")
+    if args.iters is not None and args.iters < 1:
+        ap.error(f"--iters {args.iters}: need at least 1")
     if args.reps < 1:
         ap.error(f"--reps {args.reps}: need at least 1")
     try:
@@ -938,7 +943,7 @@ def main(argv=None):
         return
     if not torch.cuda.is_available():
         raise SystemExit(f"bench.py {'--only ' + args.only if args.only else '(all sections)'} needs a CUDA "
-                         "GPU; --only quality and --only plots also run on CPU (the tests cover correctness on CPU)")
+                         "GPU; --only host, quality and plots also run on CPU (the tests cover correctness on CPU)")
     if args.only in (None, "optim"):
         save("optim", bench_optim(args.quick))
     if args.only in (None, "noise"):

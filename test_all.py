@@ -4453,6 +4453,9 @@ def test_edge_flag_values_are_accepted():
     args = p.parse_args(["--preset", "nano", "--tokens_per_param", "0.5"])
     train.resolve_args(args, p, cuda=False)
     assert args.max_iters is None        # set from the parameter count once the model exists
+    for schedule in ("cosine", "constant"):  # --cooldown_frac is WSD's: not summed with the warmup there
+        train.resolve_args(p.parse_args(["--preset", "nano", "--schedule", schedule, "--warmup_frac", "0.95"]), p,
+                           cuda=False)
     args = p.parse_args(["--preset", "nano"])
     train.resolve_args(args, p, cuda=False)
     assert args.max_iters == 300 and args.eval_windows is None   # CPU default; windows capped later
@@ -5144,10 +5147,37 @@ def test_grad_accum_not_divisible_by_the_processes(corpus, tmp_path, monkeypatch
     def stop(args, proc):
         seen.append(args.grad_accum)
         raise train.RunError("stop")
-    monkeypatch.setattr(train, "check_out_dir", stop)
+    monkeypatch.setattr(train, "setup_data", stop)
     with pytest.raises(train.RunError, match="^stop$"):
         train.main(base_args(corpus, tmp_path / "o"))
     assert seen == [2]
+
+
+def test_resume_without_grad_accum_keeps_the_checkpoints_on_any_process_count():
+    for given, saved, world, want in ((None, 2, 1, 2), (None, 2, 2, 2), (None, 4, 2, 4), (2, 4, 1, 2)):
+        args = argparse.Namespace(grad_accum=given)
+        train.set_grad_accum(args, world, {"config": {"grad_accum": saved}})
+        assert args.grad_accum == want
+    args = argparse.Namespace(grad_accum=None)
+    train.set_grad_accum(args, 3)
+    assert args.grad_accum == 3                 # a fresh run: one micro-batch per process
+    for given, said in ((None, "--grad_accum 1 (the checkpoint's) must"), (3, "--grad_accum 3 must")):
+        with pytest.raises(train.RunError, match=re.escape(said) + " be divisible by the number of processes \\(2\\)$"):
+            train.set_grad_accum(argparse.Namespace(grad_accum=given), 2, {"config": {"grad_accum": 1}})
+
+
+def test_resume_compares_only_the_flags_either_run_reads():
+    """Two --method bf16 runs may differ in PQT flags, two cosine runs in --cooldown_frac; once
+    either run reads a flag (another --method or --schedule), a difference refuses the resume."""
+    saved = dict(train.RESUME_DEFAULTS, method="bf16", b_init=8.0, parts="qkv", schedule="cosine", cooldown_frac=0.2,
+                 min_lr_frac=0.1, lr=1e-3)
+    train.check_resume_config(saved, dict(saved, b_init=6.0, parts="all", cooldown_frac=0.1), "ckpt.pt")
+    for change, named in ((dict(method="gaussws", b_init=6.0), ("--method", "--b_init")),
+                          (dict(schedule="wsd", cooldown_frac=0.1), ("--schedule", "--cooldown_frac")),
+                          (dict(min_lr_frac=0.2), ("--min_lr_frac",))):
+        with pytest.raises(train.RunError) as e:
+            train.check_resume_config(saved, dict(saved, **change), "ckpt.pt")
+        assert all(f"{n} " in str(e.value) for n in named) and "--parts" not in str(e.value), str(e.value)
 
 
 def test_train_bf16_params_with_master_weight_bits_resumes(corpus, tmp_path):
@@ -5420,7 +5450,11 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
                       (["--only", "train", "--modes", "default,fast"], "allowed default, reduce-overhead"),
                       (["--only", "train", "--pairs", "0"], "--pairs 0"),
                       (["--only", "train", "--table1", "--optims", "zipsr,zipsr"], "each once"),
-                      (["--only", "fsdp", "--iters", "10"], "more than 10")):   # before any GPU check
+                      (["--only", "fsdp", "--iters", "10"], "more than 10"),   # before any GPU check
+                      (["--only", "ddp", "--iters", "-5"], "--iters -5"),
+                      (["--only", "train", "--compile", "blocks"], "--compile without --table1"),
+                      (["--only", "train", "--models", "llama-1b"], "--models without --table1"),
+                      (["--only", "train", "--table1", "--compile", "bogus"], "--compile")):
         monkeypatch.setattr(sys, "argv", ["bench.py", *bad])
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:

@@ -162,7 +162,7 @@ def build_parser():
     g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch per GPU")
     g.add_argument("--grad_accum", type=int, default=None,
                    help="micro-batches per step summed over all processes (must divide by their count); "
-                        "default: one per process")
+                        "default: one per process, with --resume the checkpoint's")
     g.add_argument("--max_iters", type=int, default=None,
                    help="optimizer steps; auto: 300 on CPU, 5000 on CUDA. With --resume a larger value trains "
                         "longer under the schedule recomputed for it: WSD's cooldown moves to the new end, so "
@@ -277,7 +277,7 @@ def resolve_args(args, parser, cuda):
                      "add --compile or drop --compile_mode")
     if args.overwrite and args.resume:
         parser.error("--overwrite and --resume: give one of them (--overwrite starts over, --resume continues)")
-    if args.warmup_frac + args.cooldown_frac > 1:
+    if args.schedule == "wsd" and args.warmup_frac + args.cooldown_frac > 1:
         parser.error(f"--warmup_frac {args.warmup_frac:g} + --cooldown_frac {args.cooldown_frac:g} > 1: "
                      f"warmup and cooldown must fit in the run")
     check_optimizer_flags(parser, args)
@@ -309,16 +309,21 @@ def optimizer_overrides(args):
     return {k: getattr(args, k, None) for k in ("v_codebook", "v_rounding") if getattr(args, k, None) is not None}
 
 
+def unread_flags(config):
+    """{flag: the flag that makes it unread} for a run config (dict of flag values): the PQT flags
+    with --method bf16, --cooldown_frac outside WSD, --min_lr_frac outside cosine."""
+    unread = {n: "--method bf16" for n in ("parts", "b_init", "b_target", "bits_wd", "bits_lambda", "pqt_memory")
+              if config.get("method") == "bf16"}
+    unread.update({"cooldown_frac": f"--schedule {config.get('schedule')}"} if config.get("schedule") != "wsd" else {})
+    unread.update({"min_lr_frac": f"--schedule {config.get('schedule')}"} if config.get("schedule") != "cosine" else {})
+    return unread
+
+
 def say_ignored_flags(args, parser):
-    """One line naming the flags set away from their default that this run does not read (PQT flags
-    with --method bf16, --cooldown_frac outside WSD, --min_lr_frac outside cosine): the run goes on,
-    but a typo in --method or --schedule shows."""
-    unread = [(n, "--method bf16") for n in ("parts", "b_init", "b_target", "bits_wd", "bits_lambda", "pqt_memory")
-              if args.method == "bf16"]
-    unread += [("cooldown_frac", f"--schedule {args.schedule}")] if args.schedule != "wsd" else []
-    unread += [("min_lr_frac", f"--schedule {args.schedule}")] if args.schedule != "cosine" else []
+    """One line naming the flags set away from their default that this run does not read
+    (unread_flags): the run goes on, but a typo in --method or --schedule shows."""
     unread = [f"--{n} {getattr(args, n):{'g' if isinstance(getattr(args, n), float) else ''}} (with {why})"
-              for n, why in unread if getattr(args, n) != parser.get_default(n)]
+              for n, why in unread_flags(vars(args)).items() if getattr(args, n) != parser.get_default(n)]
     if unread:
         say(f"note: not used by this run: {', '.join(unread)}")
 
@@ -678,9 +683,11 @@ def run_config(args):
 
 
 def check_resume_config(saved, current, path):
-    """RunError listing the flags whose values differ between the checkpoint and this run."""
-    keys = sorted((set(saved) | set(current)) - RESUME_FREE)
+    """RunError listing the flags whose values differ between the checkpoint and this run (not
+    those that neither reads: unread_flags, e.g. --b_init of two --method bf16 runs)."""
     saved = {**RESUME_DEFAULTS, **saved}
+    unread = set(unread_flags(saved)) & set(unread_flags(current))
+    keys = sorted((set(saved) | set(current)) - RESUME_FREE - unread)
     diff = [f"--{k} {saved.get(k)!r} (checkpoint) vs {current.get(k)!r} (now)"
             for k in keys if saved.get(k) != current.get(k)]
     if diff:
@@ -1426,6 +1433,18 @@ def plot_losses(log_path, png_path):
 
 # ----------------------------------------------------------------------------- main
 
+def set_grad_accum(args, world, ckpt=None):
+    """--grad_accum when not given: the checkpoint's when resuming (the global batch stays, on any
+    number of processes it divides), else one micro-batch per process. RunError (one line) when it
+    does not divide by the number of processes."""
+    given = args.grad_accum is not None
+    if not given:
+        args.grad_accum = ckpt["config"]["grad_accum"] if ckpt is not None else world
+    if args.grad_accum % world:
+        raise RunError(f"--grad_accum {args.grad_accum}" + ("" if given or ckpt is None else " (the checkpoint's)")
+                       + f" must be divisible by the number of processes ({world})")
+
+
 def main(argv=None):
     """Parse argv (list of str; None = sys.argv[1:]) and train. Returns the summary dict.
     Bad flags raise SystemExit(2) with a one-line message; RunError for a diverged run or a bad
@@ -1435,10 +1454,6 @@ def main(argv=None):
     resolve_args(args, parser, proc.device_type == "cuda")
     setup_threads(args, proc)
     try:
-        if args.grad_accum is None:
-            args.grad_accum = proc.world
-        if args.grad_accum % proc.world:
-            raise RunError(f"--grad_accum {args.grad_accum} must be divisible by the number of processes ({proc.world})")
         torch.manual_seed(args.seed)
         if proc.device_type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -1447,6 +1462,7 @@ def main(argv=None):
         if args.resume:
             check_resume_kind(args)
         ckpt = load_checkpoint(resume_path(args)) if args.resume else None  # a bad file fails before data
+        set_grad_accum(args, proc.world, ckpt)
         batches = setup_data(args, proc)
         model, replaced = setup_model(args, proc, batches)
         if ckpt is not None and resume_is_done(args, ckpt):  # keep the log and its summary as they are
