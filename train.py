@@ -1441,8 +1441,11 @@ def set_grad_accum(args, world, ckpt=None):
     if not given:
         args.grad_accum = ckpt["config"]["grad_accum"] if ckpt is not None else world
     if args.grad_accum % world:
-        raise RunError(f"--grad_accum {args.grad_accum}" + ("" if given or ckpt is None else " (the checkpoint's)")
-                       + f" must be divisible by the number of processes ({world})")
+        ours = not given and ckpt is not None
+        raise RunError(f"--grad_accum {args.grad_accum}" + (" (the checkpoint's)" if ours else "")
+                       + f" must be divisible by the number of processes ({world})"
+                       + (f": resume it on a number of processes that divides {args.grad_accum} (a run that "
+                          "should move to more processes later starts with a larger --grad_accum)" if ours else ""))
 
 
 def main(argv=None):
