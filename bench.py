@@ -437,14 +437,14 @@ def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gauss
     interleaved rounds (bf16, gaussws, ..., bf16, gaussws, ...), each model built again per round
     (compiled ones then come from the compile cache): the GPU's clock drifts between runs, so a
     row's overhead is the mean over rounds of 1 − (BF16 step time / its step time) in the same
-    round. Eager by default: compiling 24 models of up to 4B parameters takes longer than
+    round. On CUDA the last round also profiles 3 steps: GPU ms and operations per step. Eager by default: compiling 24 models of up to 4B parameters takes longer than
     measuring them. on_row(rows): called after each (model, optimizer) (main saves the partial
     table, so a run stopped by a time limit keeps what it measured)."""
     device = torch.device(device)
     rows = []
     for preset, batch in cases:
         for optim in optims:
-            ms, peak = {m: [] for m in methods}, {m: 0.0 for m in methods}
+            ms, peak, gpu = {m: [] for m in methods}, {m: 0.0 for m in methods}, {m: (None, None) for m in methods}
             for rnd in range(rounds):
                 for method in methods:
                     model, opt, step = _train_setup(preset, method, optim, batch, T, device, compile)
@@ -456,6 +456,8 @@ def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gauss
                     if device.type == "cuda":
                         ms[method].append(_queued_steps_ms(step, steps))
                         peak[method] = max(peak[method], torch.cuda.max_memory_allocated() / 2 ** 30)
+                        if rnd == rounds - 1:    # kernel time apart from the step time: GPU or host?
+                            gpu[method] = _gpu_profile(step)
                     else:
                         times = []
                         for _ in range(steps):
@@ -475,13 +477,16 @@ def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gauss
                 rows.append(dict(model=preset, params=params, batch=batch, T=T, optim=optim, method=method,
                                  compiled=compile, step_ms=med, step_ms_rounds=ms[method],
                                  tokens_per_s=batch * T / (med * 1e-3), peak_GiB=peak[method],
+                                 gpu_ms_per_step=gpu[method][0], gpu_ops_per_step=gpu[method][1],
                                  overhead_pct=statistics.mean(ov),
                                  overhead_pct_rounds=ov,
                                  command=f"python bench.py --only train  # {preset} {method} {optim}"))
                 r = rows[-1]
                 print(f"{preset:14s} B={batch:<3d} {optim:6s} {method:8s} {med:9.2f} ms {r['tokens_per_s']:12,.0f} "
                       f"tok/s {r['peak_GiB']:7.2f} GiB overhead {r['overhead_pct']:6.2f} % "
-                      f"(rounds: {' / '.join(f'{o:+.2f}' for o in ov)})", flush=True)
+                      f"(rounds: {' / '.join(f'{o:+.2f}' for o in ov)})"
+                      + (f", GPU {gpu[method][0]:.2f} ms in {gpu[method][1]:.0f} ops a step" if gpu[method][0] else ""),
+                      flush=True)
             if on_row:
                 on_row(rows)
     geo = {}

@@ -5281,6 +5281,7 @@ def test_bench_train_runs_every_method_on_cpu():
         assert r["overhead_pct_rounds"] == [100 * (1 - b / m) for b, m in zip(
             res["rows"][0]["step_ms_rounds"], r["step_ms_rounds"])]
         assert r["overhead_pct"] == statistics.mean(r["overhead_pct_rounds"])
+        assert r["gpu_ms_per_step"] is None and r["gpu_ops_per_step"] is None   # the profile is CUDA's
     assert all(r["tokens_per_s"] > 0 for r in res["rows"])
     assert set(res["geomean_overhead_pct"]) == {"gaussws/adamw", "diffq/adamw"}
 
@@ -5468,6 +5469,31 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
         monkeypatch.setattr(sys, "argv", ["bench.py", "--only", "noise"])
         with pytest.raises(SystemExit, match="--only noise needs a CUDA GPU"):
             bench.main()
+
+
+def test_bench_train_cuda_rows_interleave_rounds_and_profile_the_last(monkeypatch):
+    """bench_train's CUDA branch with the GPU parts stubbed: each round measures every method once,
+    in order, and only the last round is profiled."""
+    import types
+    order, profiled, times = [], [], iter([100.0, 101.0, 98.0, 100.0])   # bf16, gaussws, bf16, gaussws
+
+    def setup(preset, method, optim, batch, T, device, compile):
+        order.append(method)
+        return types.SimpleNamespace(num_params=lambda: 7), None, lambda: None
+    monkeypatch.setattr(bench, "_train_setup", setup)
+    monkeypatch.setattr(bench, "_queued_steps_ms", lambda step, n: next(times))
+    monkeypatch.setattr(bench, "_gpu_profile", lambda step: profiled.append(order[-1]) or (float(len(profiled)), 9.0))
+    for name in ("reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2 ** 30)
+    res = bench.bench_train(cases=[("llama-1b", 8)], optims=("adamw",), methods=("bf16", "gaussws"), device="cuda",
+                            rounds=2)
+    assert order == ["bf16", "gaussws", "bf16", "gaussws"] and profiled == ["bf16", "gaussws"]
+    base, ours = res["rows"]
+    assert base["step_ms_rounds"] == [100.0, 98.0] and ours["step_ms_rounds"] == [101.0, 100.0]
+    assert ours["overhead_pct_rounds"] == [100 * (1 - 100 / 101), 100 * (1 - 98 / 100)]
+    assert (base["gpu_ms_per_step"], ours["gpu_ms_per_step"], ours["gpu_ops_per_step"]) == (1.0, 2.0, 9.0)
+    assert ours["peak_GiB"] == 1.0
 
 
 def test_bench_table1_rows_alone(monkeypatch):
