@@ -437,9 +437,10 @@ def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gauss
     interleaved rounds (bf16, gaussws, ..., bf16, gaussws, ...), each model built again per round
     (compiled ones then come from the compile cache): the GPU's clock drifts between runs, so a
     row's overhead is the mean over rounds of 1 − (BF16 step time / its step time) in the same
-    round. On CUDA the last round also profiles 3 steps: GPU ms and operations per step. Eager by default: compiling 24 models of up to 4B parameters takes longer than
-    measuring them. on_row(rows): called after each (model, optimizer) (main saves the partial
-    table, so a run stopped by a time limit keeps what it measured)."""
+    round. On CUDA the last round also profiles 3 steps: GPU ms and operations per step. Eager by
+    default: compiling 24 models of up to 4B parameters takes longer than measuring them.
+    on_row(rows): called after each (model, optimizer) (main saves the partial table, so a run
+    stopped by a time limit keeps what it measured)."""
     device = torch.device(device)
     rows = []
     for preset, batch in cases:
@@ -485,7 +486,7 @@ def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gauss
                 print(f"{preset:14s} B={batch:<3d} {optim:6s} {method:8s} {med:9.2f} ms {r['tokens_per_s']:12,.0f} "
                       f"tok/s {r['peak_GiB']:7.2f} GiB overhead {r['overhead_pct']:6.2f} % "
                       f"(rounds: {' / '.join(f'{o:+.2f}' for o in ov)})"
-                      + (f", GPU {gpu[method][0]:.2f} ms in {gpu[method][1]:.0f} ops a step" if gpu[method][0] else ""),
+                      + (f", GPU {gpu[method][0]:.2f} ms in {gpu[method][1]:.0f} ops a step" if gpu[method][0] is not None else ""),
                       flush=True)
             if on_row:
                 on_row(rows)

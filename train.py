@@ -312,18 +312,27 @@ def optimizer_overrides(args):
 def unread_flags(config):
     """{flag: the flag that makes it unread} for a run config (dict of flag values): the PQT flags
     with --method bf16, --cooldown_frac outside WSD, --min_lr_frac outside cosine."""
-    unread = {n: "--method bf16" for n in ("parts", "b_init", "b_target", "bits_wd", "bits_lambda", "pqt_memory")
-              if config.get("method") == "bf16"}
-    unread.update({"cooldown_frac": f"--schedule {config.get('schedule')}"} if config.get("schedule") != "wsd" else {})
-    unread.update({"min_lr_frac": f"--schedule {config.get('schedule')}"} if config.get("schedule") != "cosine" else {})
+    unread = {}
+    if config.get("method") == "bf16":
+        unread.update(dict.fromkeys(("parts", "b_init", "b_target", "bits_wd", "bits_lambda", "pqt_memory"),
+                                    "--method bf16"))
+    schedule = config.get("schedule")
+    if schedule != "wsd":
+        unread["cooldown_frac"] = f"--schedule {schedule}"
+    if schedule != "cosine":
+        unread["min_lr_frac"] = f"--schedule {schedule}"
     return unread
 
 
 def say_ignored_flags(args, parser):
     """One line naming the flags set away from their default that this run does not read
     (unread_flags): the run goes on, but a typo in --method or --schedule shows."""
-    unread = [f"--{n} {getattr(args, n):{'g' if isinstance(getattr(args, n), float) else ''}} (with {why})"
-              for n, why in unread_flags(vars(args)).items() if getattr(args, n) != parser.get_default(n)]
+    unread = []
+    for name, why in unread_flags(vars(args)).items():
+        value = getattr(args, name)
+        if value != parser.get_default(name):
+            unread.append(f"--{name} {value:g} (with {why})" if isinstance(value, float) else
+                          f"--{name} {value} (with {why})")
     if unread:
         say(f"note: not used by this run: {', '.join(unread)}")
 
