@@ -553,6 +553,13 @@ def _queued_steps_ms(step, n):
     return t0.elapsed_time(t1) / n
 
 
+def _device_ops(events):
+    """The GPU operations (kernels, copies, memsets) among profiler events: not the ranges that
+    record_function puts on the GPU timeline too (e.g. torch's "Optimizer.step#AdamW.step", which
+    spans the optimizer's kernels and would count them twice)."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+
+
 def _gpu_profile(step, n=3):
     """torch.profiler over n steps: (GPU ms per step = summed kernel/memcpy/memset time, GPU
     operations per step)."""
@@ -562,7 +569,7 @@ def _gpu_profile(step, n=3):
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    dev = _device_ops(prof.events())
     return sum(e.time_range.elapsed_us() for e in dev) / 1e3 / n, len(dev) / n
 
 

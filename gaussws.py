@@ -119,12 +119,13 @@ LLAMA_PARTS = ("q", "k", "v", "out", "gate", "up", "down")
 ALL_PARTS = tuple(dict.fromkeys(GPT2_PARTS + LLAMA_PARTS))
 W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # weight dtypes the kernels read
 
-# launch configuration of the kernels (block sizes, warps): chosen by the
-# `python bench.py --only noise` sweep. small_*: (most tiles, BT, warps) of the fused kernels on
-# small weights (GPT-2's, a 1B model's): one tile per program, 4x more programs, fills the GPU
-# better there (12-18 % faster on the H200; results/README.md, section 7)
+# launch configuration of the kernels (block sizes, warps). The fused apply and grad (R drawn in
+# the kernel, what GaussWSLinear runs) from a sweep over (BT tiles per program, warps) at the
+# Table 1 models' weight shapes (results/README.md, section 7): the apply is fastest with one
+# tile and one warp per program at every size; the grad with (4, 4), or one tile per program
+# on weights of at most small_grad[0] tiles
 CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4, grad_warps=4,
-              fused_bt=4, fused_warps=4, small_apply=(16384, 1, 1), small_grad=(4096, 1, 2))
+              fused_apply=(1, 1), fused_grad=(4, 4), small_grad=(4096, 1, 1))
 
 _M32 = 0xFFFFFFFF
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # kernels run by Triton's CPU interpreter
@@ -588,8 +589,9 @@ def _launch_config(kernel, mode, tiles):
     `tiles` tiles, from CONFIG."""
     if mode != 2:
         return CONFIG[kernel + "_bt"], CONFIG[kernel + "_warps"]
-    most, bt, warps = CONFIG["small_" + kernel]
-    return (bt, warps) if tiles <= most else (CONFIG["fused_bt"], CONFIG["fused_warps"])
+    if kernel == "grad" and tiles <= CONFIG["small_grad"][0]:
+        return CONFIG["small_grad"][1:]
+    return CONFIG["fused_" + kernel]
 
 
 # ==============================================================================================
@@ -615,14 +617,24 @@ def _broadcast_tiles(t, m, n):
     return t.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)[:m, :n]
 
 
+def _tile_programs(tm, tn, bt):
+    """The 1-D launch grid of the tile kernels: one program per 32 rows × bt tiles."""
+    return (tm * triton.cdiv(tn, bt),)
+
+
 @triton.jit
-def _tile_block(M, N, BT: tl.constexpr):
+def _tile_block(M, N, TN, BT: tl.constexpr):
     """Indices of one program's block: 32 rows x BT tiles of 32 columns, as (32, BT, 32) so that
-    axes 0 and 2 are the inside of a tile; ti (BT,) tile columns; mask covers partial edge tiles."""
-    ti = tl.program_id(1) * BT + tl.arange(0, BT)
-    row = tl.program_id(0) * 32 + tl.arange(0, 32)[:, None, None]
+    axes 0 and 2 are the inside of a tile; ti (BT,) tile columns, tidx their flat indices in the
+    (ceil(M/32), TN) tile grid; mask covers partial edge tiles. Programs go along the rows of
+    tiles first, so the programs running at once read and write whole rows of the matrix (DRAM
+    pages) instead of a narrow column strip of every row."""
+    nb = tl.cdiv(TN, BT)
+    tr = tl.program_id(0) // nb
+    ti = (tl.program_id(0) % nb) * BT + tl.arange(0, BT)
+    row = tr * 32 + tl.arange(0, 32)[:, None, None]
     col = ti[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    return ti, row, col, (row < M) & (col < N)
+    return ti, tr * TN + ti, row, col, (row < M) & (col < N)
 
 
 @triton.jit
@@ -633,10 +645,10 @@ def _tile_absmax(w):
 
 @triton.jit
 def _tilemax_kernel(w_ptr, out_ptr, M, N, TN, BT: tl.constexpr):
-    ti, row, col, mask = _tile_block(M, N, BT)
+    ti, tidx, row, col, mask = _tile_block(M, N, TN, BT)
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = _tile_absmax(w)
-    tl.store(out_ptr + tl.program_id(0) * TN + ti, tmax, mask=ti < TN)
+    tl.store(out_ptr + tidx, tmax, mask=ti < TN)
 
 
 def tile_max(w, impl="auto"):
@@ -651,7 +663,7 @@ def tile_max(w, impl="auto"):
     tm, tn = tile_grid(m, n)
     out = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
     bt = CONFIG["apply_bt"]
-    _tilemax_kernel[(tm, triton.cdiv(tn, bt))](w, out, m, n, tn, BT=bt, num_warps=CONFIG["apply_warps"])
+    _tilemax_kernel[_tile_programs(tm, tn, bt)](w, out, m, n, tn, BT=bt, num_warps=CONFIG["apply_warps"])
     return out
 
 
@@ -710,11 +722,10 @@ def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, b_ptr, li
     """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t). With
     BITS, 2^(1-b_t) is not read but made from b here (`_tile_bits_torch`), and written masked by
     the clamp range of b_t (`_pow2_live_torch`) for the backward: no launch of its own per call."""
-    ti, row, col, mask = _tile_block(M, N, BT)
+    ti, tidx, row, col, mask = _tile_block(M, N, TN, BT)
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = _tile_absmax(w)                                             # (BT,), edge tiles masked
     tmask = ti < TN
-    tidx = tl.program_id(0) * TN + ti
     if BITS:
         b = tl.load(b_ptr + tidx, mask=tmask, other=0.0).to(tl.float32)
         # eq. 11 as torch rounds it: the product to float32 (exact in float64, then rounded once),
@@ -746,7 +757,7 @@ def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_w
     b, b_target, b_scale = bits if bits is not None else (tmax, 0.0, 1.0)
     b_target, b_scale = _f32(b_target), _f32(b_scale)   # torch's float32 scalars, also in the interpreter
     r = w if mode == 2 else noise   # unused pointer in fused mode
-    _launch(_apply_kernel)[(tm, triton.cdiv(tn, bt))](w, r, tmax if pow2 is None else pow2, w_hat, tmax, seed,
+    _launch(_apply_kernel)[_tile_programs(tm, tn, bt)](w, r, tmax if pow2 is None else pow2, w_hat, tmax, seed,
                                              b, live, b_target, b_scale, m, n, -(-n // 8), tn,
                                              NOISE=mode, BT=bt, BITS=bits is not None, B_LO=B_MIN,
                                              B_HI=B_MAX, INTERPRET=_INTERPRET, num_warps=num_warps)
@@ -817,12 +828,11 @@ def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, db_ptr, seed_ptr, live_ptr, b_s
                  M, N, N8, TN, NOISE: tl.constexpr, BT: tl.constexpr, CHAIN: tl.constexpr):
     """eq. 4 in Triton: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R), and
     with CHAIN ∂L/∂b from it (the formula above, `_bits_grad_torch`), cast to b's dtype."""
-    ti, row, col, mask = _tile_block(M, N, BT)
+    ti, tidx, row, col, mask = _tile_block(M, N, TN, BT)
     g = tl.load(g_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tl.store(dw_ptr + row * N + col, _cast(g, dw_ptr.dtype.element_ty), mask=mask)
     r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
     s = tl.sum(tl.sum(g * r, axis=2), axis=0)
-    tidx = tl.program_id(0) * TN + ti
     tmask = ti < TN
     tmax = tl.load(tmax_ptr + tidx, mask=tmask, other=0.0)
     d = tmax * s
@@ -846,7 +856,7 @@ def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warp
     dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
     db = torch.empty(tm, tn, dtype=b_dtype, device=g.device)
     r = g if mode == 2 else noise
-    _launch(_grad_kernel)[(tm, triton.cdiv(tn, bt))](g, r, tmax, dw, db, seed, live, _f32(b_scale),
+    _launch(_grad_kernel)[_tile_programs(tm, tn, bt)](g, r, tmax, dw, db, seed, live, _f32(b_scale),
                                             m, n, -(-n // 8), tn, NOISE=mode, BT=bt,
                                             CHAIN=bits is not None, num_warps=num_warps)
     return dw, db

@@ -5496,6 +5496,18 @@ def test_bench_train_cuda_rows_interleave_rounds_and_profile_the_last(monkeypatc
     assert ours["peak_GiB"] == 1.0
 
 
+def test_bench_gpu_time_counts_kernels_not_ranges_on_the_gpu_timeline():
+    """The profiled GPU ms of a Table 1 row sums the GPU's operations, not the record_function
+    ranges shown on the GPU timeline (torch's optimizers put one around their kernels)."""
+    from torch.autograd.profiler_util import FunctionEvent
+    cuda = torch.autograd.DeviceType.CUDA
+    ev = lambda name, t0, t1, **kw: FunctionEvent(0, name, 0, t0, t1, **kw)
+    events = [ev("mm_kernel", 0, 5, device_type=cuda), ev("adamw_kernel", 5, 8, device_type=cuda),
+              ev("Optimizer.step#AdamW.step", 5, 8, device_type=cuda, is_user_annotation=True),
+              ev("aten::mm", 0, 1)]
+    assert [e.name for e in bench._device_ops(events)] == ["mm_kernel", "adamw_kernel"]
+
+
 def test_bench_table1_rows_alone(monkeypatch):
     """`--no-gpt2 --models` runs only the named Table 1 rows (in Table 1's order), without the GPT-2
     comparison, and saves them under a name of their own (a run per model fills the table)."""
