@@ -2,7 +2,10 @@
 kernel, grad with the chain to b_i), at the Table 1 models' weight shapes, over launch configs
 (tiles per program BT, warps): microseconds per call, % of the copy floor (6 bytes an element
 both ways), beside the BF16 path's casts of the same weight (w.to(bf16); the bf16 gradient to
-float32). Prints only."""
+float32). Prints only. Unlike ../gaussws_config/sweep.py (CUDA-graph replays over copies of the
+inputs, for GPT-2's small weights), each call is timed by triton.testing.do_bench on the same
+inputs, launch included: right for the large weights, launch-bound (~6 us) for the small ones.
+SWEEP=short: fewer shapes and configurations."""
 import itertools, os, sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 import torch, triton
