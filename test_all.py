@@ -5027,6 +5027,16 @@ def test_fsdp_bad_flags_one_line_error(flags, env, words, capsys, monkeypatch):
     _assert_one_line_flag_error(flags, words, capsys)
 
 
+def test_bad_flag_under_torchrun_is_printed_by_rank_0_only(capsys, monkeypatch):
+    """Every rank parses the same flags: rank 0 prints the one-line error, the others exit with the
+    same status silently (torchrun would show it once per rank)."""
+    for rank, printed in (("1", ""), ("0", "train.py: error: argument --lr: invalid float value: 'x'\n")):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as e:
+            train.build_parser().parse_args(["--lr", "x"])
+        assert e.value.code == 2 and capsys.readouterr().err == printed
+
+
 def test_stray_rank_without_torchrun_is_a_one_line_error(monkeypatch):
     """RANK left in the environment without torchrun's LOCAL_RANK / WORLD_SIZE: a one-line error
     naming them, not a KeyError."""

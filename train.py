@@ -97,10 +97,11 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line (no usage dump) and exits with status 2."""
+    """argparse that reports a bad flag in one line (no usage dump) and exits with status 2; under
+    torchrun only rank 0 prints it (every rank parses the same flags)."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}\n" if int(os.environ.get("RANK", 0)) == 0 else None)
 
 
 def build_parser():
