@@ -119,10 +119,11 @@ LLAMA_PARTS = ("q", "k", "v", "out", "gate", "up", "down")
 ALL_PARTS = tuple(dict.fromkeys(GPT2_PARTS + LLAMA_PARTS))
 W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # weight dtypes the kernels read
 
-# launch configuration of the kernels (block sizes, warps). The fused apply and grad (R drawn in
-# the kernel, what GaussWSLinear runs) from a sweep over (BT tiles per program, warps) at the
+# launch configuration of the kernels (block sizes, warps). gen_*, apply_* and grad_* (the unfused
+# kernels) from `python bench.py --only noise` at 4096²–16384²; the fused apply and grad (R drawn
+# in the kernel, what GaussWSLinear runs) from a sweep over (BT tiles per program, warps) at the
 # Table 1 models' weight shapes (results/README.md, section 7): the apply is fastest with one
-# tile and one warp per program at every size; the grad with (4, 4), or one tile per program
+# tile and one warp per program at every size, the grad with (4, 4), or one tile per program
 # on weights of at most small_grad[0] tiles
 CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4, grad_warps=4,
               fused_apply=(1, 1), fused_grad=(4, 4), small_grad=(4096, 1, 1))
