@@ -911,14 +911,14 @@ def check_args(ap, args):
     """One-line errors for values the sections would only trip over mid-run."""
     import train as trainer
     methods = args.methods.split(",")
-    if methods[0] != "bf16":
-        ap.error(f"--methods {args.methods}: bf16 first (the others' baseline)")
     for name, vals, allowed in (("--methods", methods, ("bf16",) + g.METHODS),
                                 ("--optims", args.optims.split(","), trainer.OPTIMS),
                                 ("--modes", args.modes.split(","), trainer.COMPILE_MODES),
                                 ("--models", args.models.split(","), [p for p, _ in TABLE1])):
         if any(v not in allowed for v in vals) or len(set(vals)) != len(vals):
             ap.error(f"{name} {','.join(vals)}: allowed {', '.join(allowed)}, each once")
+    if methods[0] != "bf16":
+        ap.error(f"--methods {args.methods}: bf16 first (the others' baseline)")
     if args.pairs < 1:
         ap.error(f"--pairs {args.pairs}: need at least 1")
     if not args.gpt2 and not args.table1:

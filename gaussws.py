@@ -176,6 +176,13 @@ def _check_tiles(t, w, name):
                          f"it must be the 32x32 tile grid {want}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got dtype {t.dtype}")
+    if t.device != w.device:
+        raise ValueError(f"{name} is on {t.device} and the weight on {w.device}: they must be on the same device")
+
+
+def _check_fused(fused, fn):
+    if not isinstance(fused, bool):
+        raise TypeError(f"{fn}: fused={fused!r} must be True or False")
 
 
 def _check_seed(seed, also=""):
@@ -639,9 +646,15 @@ def _tile_block(M, N, TN, BT: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _tile_absmax(w):
-    """max_32(|w|) of a (32, BT, 32) block: (BT,) (masked-out elements loaded as 0 are neutral)."""
-    return tl.max(tl.max(tl.abs(w), axis=2), axis=0)
+    """max_32(|w|) of a (32, BT, 32) block: (BT,) (masked-out elements loaded as 0 are neutral).
+    A NaN in a tile makes its maximum NaN, as torch's amax (tl.max would skip it)."""
+    return tl.reduce(tl.reduce(tl.abs(w), 2, _max_nan), 0, _max_nan)
 
 
 @triton.jit
@@ -772,7 +785,8 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
     w: (m, n) float32/bfloat16/float16 (non-contiguous is copied); noise: from `generate_noise`
     with the same method (int32 (m, ceil(n/8)) for "gaussws", BF16 (m, n) for "diffq"); b_t:
     tile-grid tensor of bitwidths (clamped to [B_MIN, B_MAX]).
-    Raises TypeError / ValueError on a bad w, b_t, noise (type, shape), out_dtype, method or impl."""
+    Raises TypeError / ValueError on a bad w, b_t, noise (type, dtype, shape, device), out_dtype,
+    method or impl."""
     _check_choice("method", method, METHODS)
     _check_weight(w)
     _check_tiles(b_t, w, "b_t")
@@ -783,6 +797,11 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
         raise TypeError(f"noise must be a torch.Tensor from generate_noise, got {type(noise).__name__}")
     if tuple(noise.shape) != want:
         raise ValueError(f"noise has shape {tuple(noise.shape)}; method={method!r} and w {tuple(w.shape)} need {want}")
+    if not (noise.dtype == torch.int32 if method == "gaussws" else noise.is_floating_point()):
+        need = "int32 (packed, from generate_noise)" if method == "gaussws" else "floating (BF16 from generate_noise)"
+        raise TypeError(f"noise has dtype {noise.dtype}; method={method!r} needs {need}")
+    if noise.device != w.device:
+        raise ValueError(f"noise is on {noise.device} and w on {w.device}: they must be on the same device")
     _check_out_dtype(out_dtype)
     with torch.no_grad():
         pow2 = _pow2(b_t)
@@ -962,8 +981,9 @@ def _pqn_ops():
     return _pqn_sample_impl, _pqn_grad_impl
 
 
-def _check_sample_args(w, b_t, method, impl, seed, name="b_t"):
+def _check_sample_args(w, b_t, method, impl, seed, fused, name="b_t"):
     _check_choice("method", method, METHODS)
+    _check_fused(fused, "gaussws")
     _check_weight(w)
     _check_tiles(b_t, w, name)
     return _resolve_impl(impl, w), _seed_tensor(seed, w.device)
@@ -984,9 +1004,14 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     used as clamp(b_t, B_MIN, B_MAX) = [1, 24] bits (∂L/∂b_t = 0 where clamped); seed: int in
     [0, 2**63) or int64 tensor [key, counter]; returns w_hat (m, n) in out_dtype (paper: BF16).
     fused=True generates R inside the apply/grad kernels (GaussWS only; same R, same result).
-    Raises TypeError (w dtype, out_dtype, seed type) / ValueError (shapes, empty w, seed range, a
-    seed tensor's dtype or shape, method, impl)."""
-    impl, seed = _check_sample_args(w, b_t, method, impl, seed)
+    A NaN in w makes its whole tile NaN (its tile maximum is NaN, as torch's amax); a NaN b_t
+    makes its tile NaN, with ∂L/∂b_t = 0 there (values are not checked: that would wait for the
+    GPU). impl "torch" and "triton" give the same bits on CUDA; on CPU 2^(1−b_t) of a fractional
+    b_t can differ in its last bit between numpy's exp2 (the interpreter) and torch's CPU exp2
+    (whose vectorized and scalar paths differ too), and so w_hat by 1 ulp in such a tile.
+    Raises TypeError (w dtype, out_dtype, seed type, fused not a bool) / ValueError (shapes, w and
+    b_t on different devices, empty w, seed range, a seed tensor's dtype or shape, method, impl)."""
+    impl, seed = _check_sample_args(w, b_t, method, impl, seed, fused)
     _check_out_dtype(out_dtype)
     # ∂L/∂b_t = 0 where b_t is clamped
     return _pqn_sample(w.contiguous(), b_t.contiguous(), seed, method, out_dtype, impl, fused, *_sample_bits())[0]
@@ -1035,8 +1060,8 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
     compute dtype (the autocast dtype when autocast is on — BF16 in training — else x.dtype).
     memory="save": autograd keeps w_hat (paper, +2 B/param); "recompute": rebuilt in backward.
     Returns y (..., m).
-    Raises TypeError (x or w dtype, seed type) / ValueError (shapes, bias shape, memory, method,
-    impl, seed)."""
+    Raises TypeError (x or w dtype, seed type, fused not a bool) / ValueError (shapes, bias shape,
+    w and b_t on different devices, memory, method, impl, seed)."""
     return _pqt_linear(x, w, b_t, None, None, bias, seed, method, memory, impl, fused)
 
 
@@ -1044,7 +1069,7 @@ def _pqt_linear(x, w, b, b_init, b_target, bias, seed, method, memory, impl, fus
     """`pqt_linear` with b_t from b as `_sample_bits` makes it: b = b_t (b_init None) or a
     layer's b_i (eq. 11), whose gradient then comes from the grad kernel as it is."""
     _check_choice("memory", memory, MEMORY_MODES)
-    impl, seed = _check_sample_args(w, b, method, impl, seed, "b_t" if b_init is None else "b_i")
+    impl, seed = _check_sample_args(w, b, method, impl, seed, fused, "b_t" if b_init is None else "b_i")
     _check_dtype(x.dtype, "x")
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {w.shape[1]}")
@@ -1201,9 +1226,10 @@ class GaussWSLinear(nn.Linear):
     "auto"|"torch"|"triton"; fused: generate R inside the apply/grad kernels (GaussWS, Triton;
     default: faster, see `python bench.py --only noise`; same R and same w_hat bits); fused=False
     is the paper's 3-kernel design (§3.5); dtype: float32 (default), bfloat16 or float16.
-    Raises ValueError / TypeError (float64 or other dtypes, seed type) at construction; impl
-    "triton" on CPU tensors without TRITON_INTERPRET=1 raises RuntimeError at the first training
-    forward (the layer may be moved to a GPU before that).
+    Raises ValueError / TypeError (float64 or other dtypes, seed type, fused not a bool) at
+    construction; at the first training forward, TypeError naming the layer if the weight was cast
+    to another dtype since (model.double()), and RuntimeError for impl "triton" on CPU tensors
+    without TRITON_INTERPRET=1 (the layer may be moved to a GPU before that).
 
     Parameters: weight (out, in) and bias as nn.Linear, `b_i` (ceil(out/32), ceil(in/32)) init 1
     (put weight decay on it to pull b_t to b_target), float32 whatever the weight dtype: b_i
@@ -1233,6 +1259,7 @@ class GaussWSLinear(nn.Linear):
         _check_choice("method", method, METHODS)
         _check_choice("memory", memory, MEMORY_MODES)
         _check_choice("impl", impl, IMPLS)
+        _check_fused(fused, "GaussWSLinear")
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1 (an empty weight has no tiles to sample)")
@@ -1240,7 +1267,7 @@ class GaussWSLinear(nn.Linear):
         _check_bits(b_init, b_target)
         _check_seed(seed)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.method, self.memory, self.impl, self.fused = method, memory, impl, bool(fused)
+        self.method, self.memory, self.impl, self.fused = method, memory, impl, fused
         self.b_init, self.b_target = float(b_init), float(b_target)
         self.sample_in_eval = False
         self.b_i = nn.Parameter(torch.ones(tile_grid(out_features, in_features), device=device,
@@ -1309,8 +1336,11 @@ class GaussWSLinear(nn.Linear):
         self._calls += 1
         return seed
 
-    def _check_b_i_dtype(self):
-        if self.b_i.dtype != torch.float32 and not self._warned_b_i:
+    def _check_dtypes(self, w):
+        if w.dtype not in W_DTYPES:
+            raise TypeError(f"GaussWSLinear {self._name}: its weight is {w.dtype} (the model was cast after "
+                            "apply_pqt or construction?); allowed: float32, bfloat16, float16")
+        if self.b_i.dtype in (torch.bfloat16, torch.float16) and not self._warned_b_i:
             self._warned_b_i = True
             warnings.warn(f"GaussWSLinear {self._name}: b_i is {self.b_i.dtype} (the model was cast "
                           "after apply_pqt); optimizer steps of ~1e-3 round away near 1.0 in it, so "
@@ -1325,7 +1355,7 @@ class GaussWSLinear(nn.Linear):
         w = self.linear_weight()
         if not (self.training or self.sample_in_eval):
             return F.linear(x, w, self.bias)
-        self._check_b_i_dtype()
+        self._check_dtypes(w)
         # b_i itself goes in (not b_t = eq. 11 of it): the grad kernel returns ∂L/∂b_i
         return _pqt_linear(x, w, self.b_i, self.b_init, self.b_target, self.bias, self._next_seed(),
                            self.method, self.memory, self.impl, self.fused)
@@ -1499,14 +1529,19 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     the first's. Returns the names of the replaced
     modules ("blocks.0.attn.qkv", "model.layers.0.self_attn.q_proj", ...), in module order.
     Everything is checked before the model is touched. Raises TypeError (model not an nn.Module,
-    seed, modules or lm_head type, a callable's non-bool answer, float64 layers) or ValueError (bad arguments; both parts and modules; a
+    seed, modules, lm_head or fused type, a callable's non-bool answer, float64 layers) or
+    ValueError (bad arguments; the model itself a linear layer; both parts and modules; a
     named part the model has no linear for: the message lists the parts present; a filter that
     selects no layer, or a glob of a list that matches none: the message lists the model's linears
     and the nn.Linear subclasses it leaves alone)."""
     _check_module(model, "apply_pqt")
+    if isinstance(model, nn.Linear) or type(model).__name__ == "Conv1D":
+        raise ValueError(f"apply_pqt: the model is itself a linear layer ({type(model).__name__}); apply_pqt "
+                         "replaces the layers inside a model: wrap it (nn.Sequential(layer)) or build a GaussWSLinear")
     _check_choice("method", method, METHODS)
     _check_choice("memory", memory, MEMORY_MODES)
     _check_choice("impl", impl, IMPLS)
+    _check_fused(fused, "apply_pqt")
     _check_bits(b_init, b_target)
     _check_seed(seed)
     if parts is not None and modules is not None:

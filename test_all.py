@@ -24,6 +24,7 @@ import re
 import statistics
 import subprocess
 import sys
+import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
 if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
@@ -2779,9 +2780,46 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.apply_pqt(_gpt2_like(), parts="gate")
     with pytest.raises(ValueError, match="its layers have: none; linears without a part name: 0; select other layers by name with modules="):
         g.apply_pqt(nn.Sequential(nn.Linear(3, 3)))
+    with pytest.raises(ValueError, match="the model is itself a linear layer \\(Linear\\).*nn.Sequential"):
+        g.apply_pqt(nn.Linear(3, 3))
+    for impl in ("torch", "triton"):   # the same checks before either implementation
+        with pytest.raises(TypeError, match="noise has dtype torch.float32; method='gaussws' needs int32"):
+            g.apply_noise(w, g.generate_noise(w.shape, 0).float(), bt, impl=impl)
+        with pytest.raises(TypeError, match="noise has dtype torch.int64; method='gaussws' needs int32"):
+            g.apply_noise(w, g.generate_noise(w.shape, 0).long(), bt, impl=impl)
+        with pytest.raises(TypeError, match="noise has dtype torch.int32; method='diffq' needs floating"):
+            g.apply_noise(w, torch.zeros(70, 45, dtype=torch.int32), bt, method="diffq", impl=impl)
+    with pytest.raises(ValueError, match="noise is on meta and w on cpu"):
+        g.apply_noise(w, g.generate_noise(w.shape, 0).to("meta"), bt)
+    with pytest.raises(ValueError, match="b_t is on meta and the weight on cpu: they must be on the same device"):
+        g.gaussws_sample(w, bt.to("meta"), 0)
+    for call in (lambda: g.gaussws_sample(w, bt, 0, fused="yes"), lambda: g.GaussWSLinear(4, 4, fused=None),
+                 lambda: g.apply_pqt(_gpt2_like(), fused="no"), lambda: g.pqt_linear(w[:1], w, bt, None, 0, fused=1)):
+        with pytest.raises(TypeError, match="fused=.* must be True or False"):
+            call()
+    layer = g.GaussWSLinear(45, 70, impl="torch").double()    # cast after construction
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                        # not the BF16 b_i warning
+        with pytest.raises(TypeError, match=r"GaussWSLinear \(45 -> 70\): its weight is torch.float64"):
+            layer(torch.randn(2, 45).double())
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         g.gaussws_sample(w, bt, 0, impl="triton")
+
+
+def test_nan_in_a_tile_makes_its_maximum_and_w_hat_nan_in_both_implementations():
+    """torch's amax propagates a NaN; the kernels' tile maximum does too (a plain tl.max would skip
+    it and leave the rest of the tile finite), so both give the same NaN tile."""
+    w = torch.randn(64, 70)
+    w[3, 40] = float("nan")
+    bt = torch.full(g.tile_grid(64, 70), 5.0)
+    for fused in (False, True):
+        outs = [g.gaussws_sample(w, bt, 1, impl=impl, fused=fused, out_dtype=torch.float32) for impl in ("torch", "triton")]
+        for out in outs:
+            assert out[:32, 32:64].isnan().all() and not out[32:].isnan().any() and not out[:, :32].isnan().any()
+        assert torch.equal(outs[0].nan_to_num(), outs[1].nan_to_num())
+    tm = [g.tile_max(w, impl=impl) for impl in ("torch", "triton")]
+    assert tm[0][0, 1].isnan() and tm[1][0, 1].isnan() and torch.equal(tm[0].nan_to_num(), tm[1].nan_to_num())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3431,7 +3469,6 @@ def test_hf_trainer_with_adamw4bit_an_lr_schedule_and_resume(tmp_path):
 # names in parts, shared modules, heads, the modules filter's errors
 
 def test_b_i_is_float32_with_bf16_weights_so_small_steps_move_b_t_and_a_later_cast_warns():
-    import warnings
     assert g.GaussWSLinear(40, 40, dtype=torch.bfloat16).b_i.dtype == torch.float32
     torch.manual_seed(33)
     m = nn.Sequential(nn.Linear(40, 40)).to(torch.bfloat16)
@@ -5457,6 +5494,7 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
         assert e.value.code == 2 and said in capsys.readouterr().err, bad
     for bad, said in ((["--only", "train", "--table1", "--methods", "gaussws"], "bf16 first"),
                       (["--only", "train", "--table1", "--methods", "bf16,foo"], "allowed bf16"),
+                      (["--only", "train", "--table1", "--methods", "nosuch"], "allowed bf16, gaussws, diffq"),
                       (["--only", "train", "--optims", "zipsr,foo"], "--optims zipsr,foo"),
                       (["--only", "fsdp", "--reps", "0"], "--reps 0"),
                       (["--only", "train", "--table1", "--models", "llama-1b,llama-7b"], "--models llama-1b,llama-7b"),
