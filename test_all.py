@@ -2807,6 +2807,16 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.gaussws_sample(w, bt, 0, impl="triton")
 
 
+def test_triton_impl_under_torch_compile_on_cpu_names_the_fix():
+    """impl="triton" on CPU runs eagerly through the interpreter; under torch.compile the error
+    says to use impl="torch" (Dynamo wraps it, the message stays)."""
+    m = nn.Sequential(nn.Linear(40, 64))
+    g.apply_pqt(m, modules="*", impl="triton")
+    with pytest.raises(Exception, match="impl='triton' under torch.compile needs CUDA tensors; use impl='torch' on CPU"):
+        torch.compile(m, backend="eager")(torch.randn(8, 40))
+    assert m(torch.randn(8, 40)).shape == (8, 64)    # eager: the interpreter
+
+
 def test_nan_in_a_tile_makes_its_maximum_and_w_hat_nan_in_both_implementations():
     """torch's amax propagates a NaN; the kernels' tile maximum does too (a plain tl.max would skip
     it and leave the rest of the tile finite), so both give the same NaN tile."""
