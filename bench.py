@@ -939,11 +939,30 @@ def check_args(ap, args):
                  f"than {FSDP_WARMUP}")
 
 
+# the sections that read each flag (--only unset: optim, noise, memory and train)
+READ_BY = dict(quick=("optim",), dataset=("ddp", "fsdp", "quality"), iters=("ddp", "fsdp", "quality"),
+               modes=("train",), pairs=("train",), gpt2=("train",), table1=("train",), methods=("train",),
+               optims=("train",), eager=("fsdp",), reps=("fsdp",), train_args=("fsdp", "quality"),
+               **{k: ("quality",) for k in ("experiments", "jobs", "out_dir", "preset", "resume", "seeds",
+                                            "tokens_per_param")})
+
+
+def say_unread_flags(ap, args):
+    """One line naming the flags set away from their default that the chosen sections do not
+    read (as train.py does): the run goes on, but a flag meant for another section shows."""
+    sections = {args.only} if args.only else {"optim", "noise", "memory", "train"}
+    unread = [f"--{k}" for k, by in READ_BY.items() if getattr(args, k) != ap.get_default(k) and not sections & set(by)]
+    if unread:
+        print(f"note: not read by --only {args.only or '(default: optim, noise, memory, train)'}: "
+              f"{', '.join(unread)}", flush=True)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
+    say_unread_flags(ap, args)
     if args.only == "host":   # CPU only: the step's Python work, the GPU launches stubbed out
         save("host", bench_host())
         return

@@ -5554,6 +5554,18 @@ def test_bench_train_cuda_rows_interleave_rounds_and_profile_the_last(monkeypatc
     assert ours["peak_GiB"] == 1.0
 
 
+def test_bench_names_flags_the_chosen_sections_do_not_read(capsys):
+    ap = bench.build_parser()
+    for argv, note in ((["--only", "host", "--pairs", "3", "--quick"], "not read by --only host: --quick, --pairs"),
+                       (["--eager", "--reps", "2"], "not read by --only (default: optim, noise, memory, train): --eager, --reps"),
+                       (["--only", "fsdp", "--reps", "2", "--iters", "20", "--train_args", "--seed 1"], None),
+                       (["--only", "quality", "--seeds", "2", "--pairs", "3"], "not read by --only quality: --pairs")):
+        bench.say_unread_flags(ap, ap.parse_args(argv))
+        out = capsys.readouterr().out
+        assert (out == f"note: {note}\n") if note else out == "", (argv, out)
+    assert set(bench.READ_BY) <= set(vars(ap.parse_args([])))
+
+
 def test_bench_gpu_time_counts_kernels_not_ranges_on_the_gpu_timeline():
     """The profiled GPU ms of a Table 1 row sums the GPU's operations, not the record_function
     ranges shown on the GPU timeline (torch's optimizers put one around their kernels)."""
