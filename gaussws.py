@@ -180,9 +180,9 @@ def _check_tiles(t, w, name):
         raise ValueError(f"{name} is on {t.device} and the weight on {w.device}: they must be on the same device")
 
 
-def _check_fused(fused, fn):
+def _check_fused(fused, fn=""):
     if not isinstance(fused, bool):
-        raise TypeError(f"{fn}: fused={fused!r} must be True or False")
+        raise TypeError(f"{fn + ': ' if fn else ''}fused={fused!r} must be True or False")
 
 
 def _check_seed(seed, also=""):
@@ -986,7 +986,7 @@ def _pqn_ops():
 
 def _check_sample_args(w, b_t, method, impl, seed, fused, name="b_t"):
     _check_choice("method", method, METHODS)
-    _check_fused(fused, "gaussws")
+    _check_fused(fused)
     _check_weight(w)
     _check_tiles(b_t, w, name)
     return _resolve_impl(impl, w), _seed_tensor(seed, w.device)
