@@ -99,6 +99,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from torch.library import triton_op, wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._subclasses.fake_tensor import is_fake
 
 from philox import philox, philox_torch
 
@@ -902,8 +903,8 @@ def _pqn_sample_impl(w: torch.Tensor, b: torch.Tensor, seed: torch.Tensor, metho
     """(w_hat, tile maxima, `_pow2_live_torch`) of a call (eq. 3), b_t = b_target + b·b_scale
     (`_tile_bits_torch`; the kernel computes it itself). b (contiguous tiles) is also the tensor
     ∂L/∂b goes to (`_pqn_setup_context`)."""
-    if impl == "triton" and not w.is_cuda and _get_current_dispatch_mode() is not None:
-        # torch.compile traces the op: Inductor compiles Triton kernels for CUDA only
+    if impl == "triton" and not w.is_cuda and is_fake(w):
+        # torch.compile traces the op (FakeTensors): Inductor compiles Triton kernels for CUDA only
         raise RuntimeError("impl='triton' under torch.compile needs CUDA tensors; use impl='torch' on CPU")
     noise = _regenerate(*w.shape, seed, method, impl, fused)
     if impl == "torch":
