@@ -1069,16 +1069,29 @@ def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="aut
     return _pqt_linear(x, w, b_t, None, None, bias, seed, method, memory, impl, fused)
 
 
+def _check_input(x, w, bias):
+    """x (..., n) and bias (m,) or None for a weight w (m, n): floating tensors on w's device."""
+    for name, t in (("x", x), ("bias", bias)):
+        if name == "bias" and t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor{' or None' if name == 'bias' else ''}, "
+                            f"got {type(t).__name__}")
+        _check_dtype(t.dtype, name)
+        if t.device != w.device:
+            raise ValueError(f"{name} is on {t.device} and the weight on {w.device}: they must be on the same device")
+    if x.dim() == 0 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x has shape {tuple(x.shape)}; w {tuple(w.shape)} needs (..., {w.shape[1]})")
+    if bias is not None and tuple(bias.shape) != (w.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}; w {tuple(w.shape)} needs ({w.shape[0]},)")
+
+
 def _pqt_linear(x, w, b, b_init, b_target, bias, seed, method, memory, impl, fused):
     """`pqt_linear` with b_t from b as `_sample_bits` makes it: b = b_t (b_init None) or a
     layer's b_i (eq. 11), whose gradient then comes from the grad kernel as it is."""
     _check_choice("memory", memory, MEMORY_MODES)
     impl, seed = _check_sample_args(w, b, method, impl, seed, fused, "b_t" if b_init is None else "b_i")
-    _check_dtype(x.dtype, "x")
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(f"x has {x.shape[-1]} features in its last dim; w expects {w.shape[1]}")
-    if bias is not None and tuple(bias.shape) != (w.shape[0],):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}; w {tuple(w.shape)} needs ({w.shape[0]},)")
+    _check_input(x, w, bias)
     cd = _compute_dtype(x)
     b, bits = b.contiguous(), _sample_bits(b_init, b_target)
     # the bias in w_hat's dtype, as autocast casts it (outside autocast x may be BF16, the bias FP32)
@@ -1360,6 +1373,8 @@ class GaussWSLinear(nn.Linear):
         if not (self.training or self.sample_in_eval):
             return F.linear(x, w, self.bias)
         self._check_dtypes(w)
+        _check_input(x, w, self.bias)      # before the counter advances: a failed call draws no noise
+        _resolve_impl(self.impl, w)
         # b_i itself goes in (not b_t = eq. 11 of it): the grad kernel returns ∂L/∂b_i
         return _pqt_linear(x, w, self.b_i, self.b_init, self.b_target, self.bias, self._next_seed(),
                            self.method, self.memory, self.impl, self.fused)
@@ -1450,11 +1465,14 @@ def _is_conv1d(m):
 def _linears(model):
     """(name, parent, attribute, module) of every nn.Linear (exactly: subclasses may not call their
     own forward, e.g. nn.MultiheadAttention's out_proj) and Conv1D in `model`, each place a module
-    sits (a module shared by two parents is listed under both names), in module order."""
-    return [(f"{pname}.{cname}" if pname else cname, parent, cname, child)
-            for pname, parent in model.named_modules()
-            for cname, child in parent._modules.items()    # named_children() lists a module once
-            if type(child) is nn.Linear or _is_conv1d(child)]
+    sits (a module shared by two parents is listed under both names), in module order (depth
+    first, as named_modules lists them)."""
+    found = []
+    for name, child in model.named_modules(remove_duplicate=False):
+        if name and (type(child) is nn.Linear or _is_conv1d(child)):
+            pname, _, cname = name.rpartition(".")
+            found.append((name, model.get_submodule(pname) if pname else model, cname, child))
+    return found
 
 
 # last names of a module that apply_pqt takes for an LM head: nanoGPT / Hugging Face, minGPT-style

@@ -2763,8 +2763,23 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.GaussWSLinear(4, 4, b_init=-1)
     with pytest.raises(ValueError, match="noise has shape"):
         g.apply_noise(w, torch.zeros(70, 5, dtype=torch.int32), bt)
-    with pytest.raises(ValueError, match="x has 44 features"):
+    with pytest.raises(ValueError, match=r"x has shape \(2, 44\); w \(70, 45\) needs \(\.\.\., 45\)"):
         g.pqt_linear(torch.randn(2, 44), w, bt, None, 0)
+    with pytest.raises(ValueError, match=r"x has shape \(\)"):
+        g.pqt_linear(torch.tensor(1.0), w, bt, None, 0)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor or None, got float"):
+        g.pqt_linear(torch.randn(2, 45), w, bt, 0.0, 0)
+    with pytest.raises(TypeError, match="bias has dtype torch.int64"):
+        g.pqt_linear(torch.randn(2, 45), w, bt, torch.zeros(70, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match="bias is on meta and the weight on cpu"):
+        g.pqt_linear(torch.randn(2, 45), w, bt, torch.zeros(70, device="meta"), 0)
+    with pytest.raises(ValueError, match="x is on meta and the weight on cpu"):
+        g.pqt_linear(torch.randn(2, 45, device="meta"), w, bt, None, 0)
+    layer = g.GaussWSLinear(45, 70, impl="torch")
+    for bad in (torch.randn(3, 44), torch.randn(3, 45).double(), torch.randn(3, 45, device="meta")):
+        with pytest.raises((TypeError, ValueError)):
+            layer(bad)
+    assert layer.noise_state[1].item() == 0      # a failed call draws no noise
     with pytest.raises(ValueError, match=r"bias has shape \(69,\); w \(70, 45\) needs \(70,\)"):
         g.pqt_linear(torch.randn(2, 45), w, bt, torch.zeros(69), 0)
     with pytest.raises(TypeError, match="out_dtype=torch.float64"):
@@ -3544,6 +3559,11 @@ def test_common_head_names_are_left_alone_and_lm_head_true_adds_the_head_to_part
     m = _gpt2_like()
     names = g.apply_pqt(m, parts="all", lm_head=True)
     assert "lm_head" in names and len(names) == 9 and type(m.lm_head) is g.GaussWSLinear
+    # module order (the head after the blocks), so the head takes no other layer's seed
+    assert names == [n for n, mod in m.named_modules() if isinstance(mod, g.GaussWSLinear)]
+    other = _gpt2_like()
+    g.apply_pqt(other, parts="all")
+    assert all(torch.equal(dict(m.named_buffers())[k], v) for k, v in other.named_buffers() if k.endswith("noise_state"))
     m = _gpt2_like()
     for bad in (1, "yes", None):
         with pytest.raises(TypeError, match=f"lm_head={bad!r} must be True or False"):
