@@ -876,7 +876,7 @@ def build_parser():
                                        "plots"],
                     default=None, help="run one section (default: all but ddp and quality); quality and "
                                        "plots run experiments.py's code")
-    ap.add_argument("--dataset", default="stdlib", help="--only ddp/quality: train.py's --dataset")
+    ap.add_argument("--dataset", default="stdlib", help="--only ddp/fsdp/quality: train.py's --dataset")
     ap.add_argument("--iters", type=int, default=None,
                     help="--only ddp: training steps (default 300); --only fsdp: (default 40); --only quality: train.py --max_iters "
                          "instead of --tokens_per_param")
@@ -888,7 +888,7 @@ def build_parser():
     ap.add_argument("--table1", action="store_true", help="--only train: also paper A Table 1 (llama-134m ... "
                                                           "70b-4l; eager unless --compile)")
     ap.add_argument("--modes", default="default", help="--only train: torch.compile modes of the GPT-2 comparison, "
-                                                       "comma-separated (default, reduce-overhead)")
+                                                       "comma-separated, each of: default, reduce-overhead")
     ap.add_argument("--pairs", type=int, default=2, help="--only train: interleaved rounds of the GPT-2 comparison "
                                                          "and of each Table 1 model")
     ap.add_argument("--gpt2", default=True, action=argparse.BooleanOptionalAction,
@@ -908,24 +908,26 @@ def build_parser():
 
 
 def check_args(ap, args):
-    """One-line errors for values the sections would only trip over mid-run."""
+    """One-line errors for values the sections would only trip over mid-run (the train section's
+    flags only where it runs: elsewhere say_unread_flags names them)."""
     import train as trainer
-    methods = args.methods.split(",")
-    for name, vals, allowed in (("--methods", methods, ("bf16",) + g.METHODS),
-                                ("--optims", args.optims.split(","), trainer.OPTIMS),
-                                ("--modes", args.modes.split(","), trainer.COMPILE_MODES),
-                                ("--models", args.models.split(","), [p for p, _ in TABLE1])):
-        if any(v not in allowed for v in vals) or len(set(vals)) != len(vals):
-            ap.error(f"{name} {','.join(vals)}: allowed {', '.join(allowed)}, each once")
-    if methods[0] != "bf16":
-        ap.error(f"--methods {args.methods}: bf16 first (the others' baseline)")
-    if args.pairs < 1:
-        ap.error(f"--pairs {args.pairs}: need at least 1")
-    if not args.gpt2 and not args.table1:
-        ap.error("--no-gpt2 without --table1: nothing to run")
-    if not args.table1 and (args.compile or args.models != ap.get_default("models")):
-        ap.error(f"{'--compile' if args.compile else '--models'} without --table1: it picks how Table 1 runs "
-                 "(add --table1)")
+    if args.only in (None, "train"):
+        methods = args.methods.split(",")
+        for name, vals, allowed in (("--methods", methods, ("bf16",) + g.METHODS),
+                                    ("--optims", args.optims.split(","), trainer.OPTIMS),
+                                    ("--modes", args.modes.split(","), trainer.COMPILE_MODES),
+                                    ("--models", args.models.split(","), [p for p, _ in TABLE1])):
+            if any(v not in allowed for v in vals) or len(set(vals)) != len(vals):
+                ap.error(f"{name} {','.join(vals)}: allowed {', '.join(allowed)}, each once")
+        if methods[0] != "bf16":
+            ap.error(f"--methods {args.methods}: bf16 first (the others' baseline)")
+        if args.pairs < 1:
+            ap.error(f"--pairs {args.pairs}: need at least 1")
+        if not args.gpt2 and not args.table1:
+            ap.error("--no-gpt2 without --table1: nothing to run")
+        if not args.table1 and (args.compile or args.models != ap.get_default("models")):
+            ap.error(f"{'--compile' if args.compile else '--models'} without --table1: it picks how Table 1 runs "
+                     "(add --table1)")
     if args.iters is not None and args.iters < 1:
         ap.error(f"--iters {args.iters}: need at least 1")
     if args.reps < 1:
@@ -942,7 +944,7 @@ def check_args(ap, args):
 # the sections that read each flag (--only unset: optim, noise, memory and train)
 READ_BY = dict(quick=("optim",), dataset=("ddp", "fsdp", "quality"), iters=("ddp", "fsdp", "quality"),
                modes=("train",), pairs=("train",), gpt2=("train",), table1=("train",), methods=("train",),
-               optims=("train",), eager=("fsdp",), reps=("fsdp",), train_args=("fsdp", "quality"),
+               optims=("train",), compile=("train",), models=("train",), eager=("fsdp",), reps=("fsdp",), train_args=("fsdp", "quality"),
                **{k: ("quality",) for k in ("experiments", "jobs", "out_dir", "preset", "resume", "seeds",
                                             "tokens_per_param")})
 

@@ -644,6 +644,8 @@ def run_quality(args, ap, tool, command):
         ap.error(f"--seeds {args.seeds!r}: must be distinct integers >= 0 (each seed is one run folder)")
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: must be an integer >= 1")
+    if args.out_dir is not None and not args.out_dir.strip():
+        ap.error(f"--out_dir {args.out_dir!r}: empty; give a folder, or leave the flag out for the default")
     if args.iters is not None and args.iters < 1:
         ap.error(f"--iters {args.iters}: must be an integer >= 1 (steps per run)")
     managed = {"--max_iters": "--iters", "--tokens_per_param": "--tokens_per_param", "--seed": "--seeds",

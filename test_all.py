@@ -5513,7 +5513,8 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
     assert open(path).read() == kept
     for bad, said in ((["--experiments", "pqt,nope"], "--experiments"), (["--seeds", "0,x"], "--seeds"),
                       (["--seeds", "1,1"], "distinct"), (["--seeds", "-1"], ">= 0"), (["--jobs", "0"], "--jobs 0"),
-                      (["--iters", "0"], "--iters 0"), (["--train_args", "--seed 4"], "use bench.py's --seeds"),
+                      (["--iters", "0"], "--iters 0"), (["--out_dir", " "], "--out_dir ' ': empty"),
+                      (["--train_args", "--seed 4"], "use bench.py's --seeds"),
                       (["--train_args=--max_iters=9"], "use bench.py's --iters"),
                       (["--train_args", "--max_it 3"], "--max_it"),         # no abbreviation of --max_iters
                       (["--train_args", '--tokenizer "byte'], "--train_args")):   # unbalanced quote
@@ -5579,8 +5580,12 @@ def test_bench_names_flags_the_chosen_sections_do_not_read(capsys):
     for argv, note in ((["--only", "host", "--pairs", "3", "--quick"], "not read by --only host: --quick, --pairs"),
                        (["--eager", "--reps", "2"], "not read by --only (default: optim, noise, memory, train): --eager, --reps"),
                        (["--only", "fsdp", "--reps", "2", "--iters", "20", "--train_args", "--seed 1"], None),
-                       (["--only", "quality", "--seeds", "2", "--pairs", "3"], "not read by --only quality: --pairs")):
-        bench.say_unread_flags(ap, ap.parse_args(argv))
+                       (["--only", "quality", "--seeds", "2", "--pairs", "3"], "not read by --only quality: --pairs"),
+                       (["--only", "noise", "--compile", "blocks", "--methods", "gaussws"],
+                        "not read by --only noise: --methods, --compile")):
+        args = ap.parse_args(argv)
+        bench.check_args(ap, args)      # the train section's rules only where it runs
+        bench.say_unread_flags(ap, args)
         out = capsys.readouterr().out
         assert (out == f"note: {note}\n") if note else out == "", (argv, out)
     assert set(bench.READ_BY) <= set(vars(ap.parse_args([])))
