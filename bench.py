@@ -943,8 +943,8 @@ def check_args(ap, args):
 
 # the sections that read each flag (--only unset: optim, noise, memory and train)
 READ_BY = dict(quick=("optim",), dataset=("ddp", "fsdp", "quality"), iters=("ddp", "fsdp", "quality"),
-               modes=("train",), pairs=("train",), gpt2=("train",), table1=("train",), methods=("train",),
-               optims=("train",), compile=("train",), models=("train",), eager=("fsdp",), reps=("fsdp",), train_args=("fsdp", "quality"),
+               eager=("fsdp",), reps=("fsdp",), train_args=("fsdp", "quality"),
+               **{k: ("train",) for k in ("modes", "pairs", "gpt2", "table1", "methods", "optims", "compile", "models")},
                **{k: ("quality",) for k in ("experiments", "jobs", "out_dir", "preset", "resume", "seeds",
                                             "tokens_per_param")})
 
