@@ -985,12 +985,12 @@ def _pqn_ops():
     return _pqn_sample_impl, _pqn_grad_impl
 
 
-def _check_sample_args(w, b_t, method, impl, seed, fused, name="b_t"):
+def _check_sample_args(w, b_t, method, impl, fused, name="b_t"):
     _check_choice("method", method, METHODS)
     _check_fused(fused)
     _check_weight(w)
     _check_tiles(b_t, w, name)
-    return _resolve_impl(impl, w), _seed_tensor(seed, w.device)
+    return _resolve_impl(impl, w)
 
 
 def _sample_bits(b_init=None, b_target=None):
@@ -1015,7 +1015,8 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     (whose vectorized and scalar paths differ too), and so w_hat by 1 ulp in such a tile.
     Raises TypeError (w dtype, out_dtype, seed type, fused not a bool) / ValueError (shapes, w and
     b_t on different devices, empty w, seed range, a seed tensor's dtype or shape, method, impl)."""
-    impl, seed = _check_sample_args(w, b_t, method, impl, seed, fused)
+    impl = _check_sample_args(w, b_t, method, impl, fused)
+    seed = _seed_tensor(seed, w.device)
     _check_out_dtype(out_dtype)
     # ∂L/∂b_t = 0 where b_t is clamped
     return _pqn_sample(w.contiguous(), b_t.contiguous(), seed, method, out_dtype, impl, fused, *_sample_bits())[0]
@@ -1088,10 +1089,13 @@ def _check_input(x, w, bias):
 
 def _pqt_linear(x, w, b, b_init, b_target, bias, seed, method, memory, impl, fused):
     """`pqt_linear` with b_t from b as `_sample_bits` makes it: b = b_t (b_init None) or a
-    layer's b_i (eq. 11), whose gradient then comes from the grad kernel as it is."""
+    layer's b_i (eq. 11), whose gradient then comes from the grad kernel as it is. seed may also
+    be a function that draws it (a layer's `_next_seed`), called once everything is checked: a
+    failed call draws no noise."""
     _check_choice("memory", memory, MEMORY_MODES)
-    impl, seed = _check_sample_args(w, b, method, impl, seed, fused, "b_t" if b_init is None else "b_i")
+    impl = _check_sample_args(w, b, method, impl, fused, "b_t" if b_init is None else "b_i")
     _check_input(x, w, bias)
+    seed = _seed_tensor(seed() if callable(seed) else seed, w.device)
     cd = _compute_dtype(x)
     b, bits = b.contiguous(), _sample_bits(b_init, b_target)
     # the bias in w_hat's dtype, as autocast casts it (outside autocast x may be BF16, the bias FP32)
@@ -1373,10 +1377,9 @@ class GaussWSLinear(nn.Linear):
         if not (self.training or self.sample_in_eval):
             return F.linear(x, w, self.bias)
         self._check_dtypes(w)
-        _check_input(x, w, self.bias)      # before the counter advances: a failed call draws no noise
-        _resolve_impl(self.impl, w)
-        # b_i itself goes in (not b_t = eq. 11 of it): the grad kernel returns ∂L/∂b_i
-        return _pqt_linear(x, w, self.b_i, self.b_init, self.b_target, self.bias, self._next_seed(),
+        # b_i itself goes in (not b_t = eq. 11 of it): the grad kernel returns ∂L/∂b_i; the seed is
+        # drawn after the argument checks (a failed call does not advance the counter)
+        return _pqt_linear(x, w, self.b_i, self.b_init, self.b_target, self.bias, self._next_seed,
                            self.method, self.memory, self.impl, self.fused)
 
     def extra_repr(self):
@@ -1557,7 +1560,7 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     selects no layer, or a glob of a list that matches none: the message lists the model's linears
     and the nn.Linear subclasses it leaves alone)."""
     _check_module(model, "apply_pqt")
-    if isinstance(model, nn.Linear) or type(model).__name__ == "Conv1D":
+    if isinstance(model, nn.Linear) or _is_conv1d(model):
         raise ValueError(f"apply_pqt: the model is itself a linear layer ({type(model).__name__}); apply_pqt "
                          "replaces the layers inside a model: wrap it (nn.Sequential(layer)) or build a GaussWSLinear")
     _check_choice("method", method, METHODS)

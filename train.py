@@ -85,9 +85,14 @@ class RunError(Exception):
     """A run that cannot go on: diverged loss, unreadable or mismatched checkpoint."""
 
 
+def rank0():
+    """True outside torchrun and on its rank 0 (torchrun sets RANK)."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
 def say(*a):
-    """print on rank 0 only (torchrun sets RANK); flushed, so a piped log shows it at once."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    """print on rank 0 only; flushed, so a piped log shows it at once."""
+    if rank0():
         print(*a, flush=True)
 
 
@@ -101,7 +106,7 @@ class OneLineParser(argparse.ArgumentParser):
     torchrun only rank 0 prints it (every rank parses the same flags)."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n" if int(os.environ.get("RANK", 0)) == 0 else None)
+        self.exit(2, f"{self.prog}: error: {message}\n" if rank0() else None)
 
 
 def build_parser():
@@ -300,7 +305,7 @@ def resolve_args(args, parser, cuda):
     except ValueError as e:
         parser.error(str(e))
     if args.tokenizer == "auto":  # gpt2 on CUDA when tiktoken can load it, else bytes (with a message)
-        args.tokenizer = datamod.get_tokenizer("auto", verbose=int(os.environ.get("RANK", 0)) == 0).name
+        args.tokenizer = datamod.get_tokenizer("auto", verbose=rank0()).name
     return args
 
 
