@@ -14,6 +14,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only train --table1 --compile blocks --no-gpt2   # Table 1, each block compiled
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
     python bench.py --only fsdp              # train.py --fsdp under torchrun vs the plain path, same GPU, compiled
+                                             # (GPT-2's tokenizer: tiktoken's files, or TIKTOKEN_CACHE_DIR offline)
     python bench.py --only fsdp --eager      # the same with train.py --no-compile
     python bench.py --only fsdp --train_args "--batch_size 32 --grad_accum 1"   # other train.py flags
 
@@ -1006,8 +1007,9 @@ def main(argv=None):
         save("ddp", bench_ddp(["--preset", "gpt2-124m", "--dataset", args.dataset, "--batch_size", "16",
                                "--grad_accum", "2", "--max_iters", str(args.iters or 300), "--eval_interval", "50",
                                "--eval_windows", "64", "--no-plot"]))
-    if args.only == "fsdp":   # GaussWS + ZIP-SR as users run train.py on CUDA: compiled (--eager: not)
-        flags = ["--preset", "gpt2-124m", "--dataset", args.dataset, "--tokenizer", "byte", "--method", "gaussws",
+    if args.only == "fsdp":   # GaussWS + ZIP-SR as users run train.py on CUDA: compiled (--eager: not), GPT-2's
+        # tokenizer (gpt2, not auto: no silent fall-back to bytes; their 256-entry LM head leaves a host-bound step)
+        flags = ["--preset", "gpt2-124m", "--dataset", args.dataset, "--tokenizer", "gpt2", "--method", "gaussws",
                  "--optim", "zipsr", "--batch_size", "16", "--grad_accum", "2", "--max_iters", str(args.iters or 40),
                  "--eval_interval", "1000", "--eval_windows", "16", "--no-plot"]
         flags += (["--no-compile"] if args.eager else []) + shlex.split(args.train_args)  # later flags win
