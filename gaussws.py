@@ -223,6 +223,9 @@ def _seed_tensor(seed, device):
     if seed.dtype != torch.int64 or tuple(seed.shape) != (2,):
         raise ValueError(f"seed tensor must be int64 of shape (2,) = [key, counter], "
                          f"got dtype {seed.dtype} shape {tuple(seed.shape)}")
+    if seed.is_meta and torch.device(device).type != "meta":
+        raise ValueError(f"seed tensor is on the meta device (no values) and the weight on {device}; "
+                         "pass an int or a real int64 tensor [key, counter]")
     return seed.to(device)
 
 
@@ -230,6 +233,9 @@ def _resolve_impl(impl, t):
     _check_choice("impl", impl, IMPLS)
     if impl == "auto":
         return "triton" if t.is_cuda else "torch"
+    if impl == "triton" and t.device.type not in ("cuda", "cpu"):   # meta: Triton reads the data
+        raise ValueError(f"impl='triton' needs CUDA tensors (or CPU ones under TRITON_INTERPRET=1), got "
+                         f"device {t.device.type}; use impl='torch' or 'auto'")
     if impl == "triton" and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("impl='triton' on CPU tensors needs the Triton interpreter "
                            "(set TRITON_INTERPRET=1 before importing triton); use impl='torch' on CPU")

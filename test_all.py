@@ -2808,6 +2808,10 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.apply_noise(w, g.generate_noise(w.shape, 0).to("meta"), bt)
     with pytest.raises(ValueError, match="b_t is on meta and the weight on cpu: they must be on the same device"):
         g.gaussws_sample(w, bt.to("meta"), 0)
+    with pytest.raises(ValueError, match="seed tensor is on the meta device"):
+        g.gaussws_sample(w, bt, torch.zeros(2, dtype=torch.int64, device="meta"))
+    with pytest.raises(ValueError, match="impl='triton' needs CUDA tensors .*got device meta"):
+        g.gaussws_sample(w.to("meta"), bt.to("meta"), 0, impl="triton")
     for call in (lambda: g.gaussws_sample(w, bt, 0, fused="yes"), lambda: g.GaussWSLinear(4, 4, fused=None),
                  lambda: g.apply_pqt(_gpt2_like(), fused="no"), lambda: g.pqt_linear(w[:1], w, bt, None, 0, fused=1)):
         with pytest.raises(TypeError, match="fused=.* must be True or False"):
