@@ -1569,6 +1569,11 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     if isinstance(model, nn.Linear) or _is_conv1d(model):
         raise ValueError(f"apply_pqt: the model is itself a linear layer ({type(model).__name__}); apply_pqt "
                          "replaces the layers inside a model: wrap it (nn.Sequential(layer)) or build a GaussWSLinear")
+    sharded = [n or "the model" for n, m in model.named_modules()
+               if any(c.__name__ == "FSDPModule" for c in type(m).__mro__)]
+    if sharded:   # fully_shard made their parameters DTensors and their classes FSDP subclasses
+        raise ValueError(f"apply_pqt: {_few(sharded)} already went through fully_shard; call apply_pqt "
+                         "first, then fully_shard (FSDP2 then gathers w and b_i for each layer's forward)")
     _check_choice("method", method, METHODS)
     _check_choice("memory", memory, MEMORY_MODES)
     _check_choice("impl", impl, IMPLS)

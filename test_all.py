@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -3783,6 +3784,12 @@ def _fsdp_gaussws():
     fully_shard(sharded)
     res = {"sharded": [n for n, p in sharded.named_parameters() if isinstance(p, DTensor)],
            "buffers_plain": [n for n, b in sharded.named_buffers() if not isinstance(b, DTensor)]}
+    late = nn.Sequential(nn.Linear(64, 96))
+    fully_shard(late)
+    try:   # apply_pqt after fully_shard: refused, naming the order
+        g.apply_pqt(late, modules="*")
+    except ValueError as e:
+        res["apply_after_shard"] = str(e)
     for name, model in (("plain", plain), ("fsdp", sharded)):
         gen = torch.Generator().manual_seed(1)
         outs = []
@@ -3813,6 +3820,8 @@ def test_gaussws_inside_fully_shard_equals_unsharded(fsdp_runs):
             assert torch.equal(r["plain"]["grads"][k], r["fsdp"]["grads"][k]), k
         assert all(torch.equal(a, b) for a, b in zip(r["plain"]["noise_state"], r["fsdp"]["noise_state"]))
         assert int(r["fsdp"]["noise_state"][0][1]) == 2      # two calls drew two seeds
+        assert r["apply_after_shard"].startswith("apply_pqt: the model already went through fully_shard; call "
+                                                 "apply_pqt first, then fully_shard")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -4559,6 +4568,8 @@ def test_resume_covers_the_whole_run_and_a_finished_run_is_left_alone(corpus, tm
     out = tmp_path / "o"
     args = base_args(corpus, out, "--max_iters", "8", "--eval_interval", "4")
     train.main(args + ["--stop_after", "4"])
+    assert (f"stopped at --stop_after 4 of 8 steps; continue with: python train.py {shlex.join(args)} --resume"
+            in capsys.readouterr().out.splitlines())      # the command without --stop_after
     first = [r for r in read_log(out) if r["type"] == "eval"][0]
     assert first["iter"] == 0
     # asking again for the same --stop_after: nothing to do, the log stays
@@ -4857,7 +4868,6 @@ def _run_until_first_step(argv, out, launch=(sys.executable,)):
 
 @pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_interrupt_saves_a_checkpoint_and_resume_is_bit_identical(corpus, tmp_path, signame, code):
-    import shlex
     import signal
     args = base_args(corpus, tmp_path / "a", "--max_iters", "40", "--eval_interval", "20")
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
@@ -5137,7 +5147,10 @@ def test_fresh_run_refuses_either_checkpoint_kind_and_overwrite_removes_both(cor
         with pytest.raises(train.RunError) as e:
             train.main(args)
         assert str(e.value).startswith(f"--out_dir {out} holds an FSDP2 checkpoint ({out / name}): continue that "
-                                       f"run with torchrun --standalone --nproc_per_node N train.py --fsdp --resume")
+                                       f"run with torchrun --standalone --nproc_per_node N train.py --fsdp --out_dir "
+                                       f"{out} --resume") if name != "ckpt.tmp" else str(e.value).startswith(
+            f"--out_dir {out} holds only {out / name}, an FSDP2 checkpoint whose writing did not finish (the run "
+            f"stopped before its first checkpoint was complete): nothing to resume; start over with --overwrite")
         assert "\n" not in str(e.value) and not (out / "ckpt.pt").exists() and not (out / "log.jsonl").exists()
         os.rmdir(out / name)
     for name in ("ckpt", "ckpt.old"):
@@ -5149,7 +5162,7 @@ def test_fresh_run_refuses_either_checkpoint_kind_and_overwrite_removes_both(cor
     with pytest.raises(train.RunError) as e:
         train.main(args + ["--fsdp"])
     assert str(e.value).startswith(f"--out_dir {out} holds a plain checkpoint ({out / 'ckpt.pt'}): continue that "
-                                   f"run with --resume without --fsdp")
+                                   f"run with --resume without --fsdp (python train.py --out_dir {out} --resume, or")
 
 
 def test_resume_names_the_other_checkpoint_kind_and_takes_an_out_dir(corpus, tmp_path, monkeypatch):
@@ -5166,13 +5179,15 @@ def test_resume_names_the_other_checkpoint_kind_and_takes_an_out_dir(corpus, tmp
         with pytest.raises(train.RunError) as e:
             train.main(base_args(corpus, fsdp_only, *resume))
         assert re.fullmatch(f"--resume: {re.escape(str(fsdp_only))}.* an FSDP2 checkpoint.*not a plain one: resume "
-                            f"it with torchrun --standalone --nproc_per_node N train.py --fsdp --resume", str(e.value))
+                            f"it with torchrun --standalone --nproc_per_node N train.py --fsdp --out_dir "
+                            f"{re.escape(str(fsdp_only))} --resume", str(e.value))
     _as_fsdp_rank(monkeypatch)
     for resume in (["--resume"], ["--resume", str(out / "ckpt.pt")]):
         with pytest.raises(train.RunError) as e:
             train.main(args + ["--fsdp", *resume])
         assert re.fullmatch(f"--resume: {re.escape(str(out))}.* a plain checkpoint.*not an FSDP2 \\(--fsdp\\) one: "
-                            f"resume it with --resume without --fsdp .*", str(e.value))
+                            f"resume it with --resume without --fsdp \\(python train.py --out_dir "
+                            f"{re.escape(str(out))} --resume, .*", str(e.value))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # DCP in this one process: intended

@@ -203,7 +203,8 @@ def build_parser():
                    help="checkpoint, log.jsonl and loss.png go here; Ctrl-C or SIGTERM saves a checkpoint "
                         "at the next step boundary")
     g.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="continue from OUT_DIR/ckpt.pt, or from the given checkpoint or out_dir; --max_iters / "
+                   help="continue from OUT_DIR/ckpt.pt, or from the given checkpoint or out_dir (the run then writes "
+                        "its checkpoints and log.jsonl to --out_dir, default out); --max_iters / "
                         "--tokens_per_param / --stop_after may change, and the flags that leave the numbers alone "
                         "(eval, compile, device, threads); every other flag must match")
     g.add_argument("--overwrite", action="store_true",
@@ -714,6 +715,10 @@ def check_out_dir(args, proc):
     """RunError (one line) before any data or model: a fresh run would replace a checkpoint of either
     kind in --out_dir (without --overwrite), or --out_dir cannot be created or written (with the reason)."""
     found = checkpoints_in(args.out_dir)
+    if not args.resume and not args.overwrite and found == [os.path.join(args.out_dir, "ckpt.tmp")]:
+        raise RunError(f"--out_dir {args.out_dir} holds only {found[0]}, an FSDP2 checkpoint whose writing "
+                       f"did not finish (the run stopped before its first checkpoint was complete): nothing to "
+                       f"resume; start over with --overwrite (removes it and replaces log.jsonl)")
     if not args.resume and not args.overwrite and found:
         kind, how = ckpt_kind(found[0])
         how = "--resume" if os.path.isdir(found[0]) == args.fsdp else how
@@ -748,9 +753,10 @@ def checkpoints_in(out_dir):
 
 def ckpt_kind(path):
     """(kind, how to resume it) of a checkpoint path: the two kinds are not interchangeable."""
+    out = shlex.quote(os.path.dirname(path) or ".")
     if os.path.isdir(path):
-        return "an FSDP2 checkpoint", "torchrun --standalone --nproc_per_node N train.py --fsdp --resume"
-    return "a plain checkpoint", "--resume without --fsdp (python train.py, or torchrun for DDP)"
+        return "an FSDP2 checkpoint", f"torchrun --standalone --nproc_per_node N train.py --fsdp --out_dir {out} --resume"
+    return "a plain checkpoint", f"--resume without --fsdp (python train.py --out_dir {out} --resume, or torchrun for DDP)"
 
 
 def resume_path(args):
@@ -904,16 +910,18 @@ class Interrupts:
         self.old = {}
 
 
-def resume_command(argv, proc):
-    """The command line that continues this run: argv without --resume [PATH] / --overwrite, plus
-    --resume (under torchrun, the torchrun launch)."""
+def resume_command(argv, proc, drop_stop=False):
+    """The command line that continues this run: argv without --resume [PATH] / --overwrite (and
+    with drop_stop, without --stop_after N), plus --resume (under torchrun, the torchrun launch)."""
     kept, skip = [], False
     for i, a in enumerate(argv):
         if skip:
             skip = False
         elif a == "--resume":
             skip = i + 1 < len(argv) and not argv[i + 1].startswith("-")  # its PATH
-        elif not (a.startswith("--resume=") or a == "--overwrite"):
+        elif drop_stop and a == "--stop_after":
+            skip = True
+        elif not (a.startswith("--resume=") or a == "--overwrite" or (drop_stop and a.startswith("--stop_after="))):
             kept.append(a)
     launch = (f"torchrun --standalone --nproc_per_node {proc.world} train.py" if proc.ddp else "python train.py")
     return " ".join([launch, shlex.join(kept), "--resume"] if kept else [launch, "--resume"])
@@ -1004,7 +1012,8 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
         interrupts.restore()
         log.bar.close()
     bt = mean_bt(bits, args.b_init, args.b_target, proc.world)
-    return log.finish(it, raw_model, optimizer, bt.item() if bt is not None else None)
+    go_on = resume_command(argv, proc, drop_stop=True) if it < args.max_iters else None   # --stop_after
+    return log.finish(it, raw_model, optimizer, bt.item() if bt is not None else None, go_on)
 
 
 def bits_params(model):
@@ -1071,12 +1080,13 @@ def peak_memory_mb(device_type):
 
 
 def optimizer_state_bytes(opt):
-    """Bytes held in optimizer state tensors (opt.state_nbytes() when the optimizer has it); the
-    scalar step counters are not counted, as in AdamW4bit.state_nbytes()."""
+    """Bytes this process holds in optimizer state tensors (opt.state_nbytes() when the optimizer
+    has it; under FSDP2 the local shards of DTensor states); the scalar step counters are not
+    counted, as in AdamW4bit.state_nbytes()."""
     if hasattr(opt, "state_nbytes"):
         return int(opt.state_nbytes())
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if torch.is_tensor(v) and v.dim() > 0)
+    local = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()]
+    return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v) and v.dim() > 0)
 
 
 # ----------------------------------------------------------------------------- log.jsonl and ckpt.pt
@@ -1223,9 +1233,9 @@ class RunLog:
             f"continue with: {resume_cmd}")
         raise SystemExit(128 + signum)
 
-    def finish(self, it, model, optimizer, b_t_mean=None):
-        """Log and print the summary of a run that stopped before step `it`; loss.png; returns
-        the summary."""
+    def finish(self, it, model, optimizer, b_t_mean=None, go_on=None):
+        """Log and print the summary of a run that stopped before step `it` (and, when it stopped
+        at --stop_after, the command `go_on` that continues it); loss.png; returns the summary."""
         args, elapsed = self.args, time.time() - self.t_start
         warm = self.step_times[min(len(self.step_times) - 1, 5):] if self.step_times else []  # skip compile/warmup
         summary = {"type": "summary", "iters": it, "max_iters": args.max_iters, "start_iter": self.start_iter,
@@ -1253,8 +1263,11 @@ class RunLog:
             + (f"{summary['tokens_per_s']:,.0f} tokens/s (median), " if summary["tokens_per_s"] else "")
             + val
             + f"peak memory {summary['peak_mem_mb']:,.0f} MB, optimizer state {summary['optimizer_state_mb']:.2f} MB"
+            + (" a process" if self.proc.world > 1 else "")
             + (f", mean b_t {b_t_mean:.3f}" if b_t_mean is not None else ""))
         say(f"checkpoint {self.ckpt_path}, log {self.path}")
+        if go_on:
+            say(f"stopped at --stop_after {it} of {args.max_iters} steps; continue with: {go_on}")
         if args.plot:
             say(plot_losses(self.path, os.path.join(args.out_dir, "loss.png")))
         self.file.close()
