@@ -4602,8 +4602,10 @@ def test_resume_covers_the_whole_run_and_a_finished_run_is_left_alone(corpus, tm
     before = (out / "log.jsonl").read_bytes()
     ckpt_before = (out / "ckpt.pt").read_bytes()
     again = train.main(args + ["--resume"])
-    assert "the run is finished" in capsys.readouterr().out
+    assert "is at step 8 of 8, the run is finished" in capsys.readouterr().out
     assert again == log[-1] and again["final_val_loss"] == evals[-1]["val_loss"]
+    train.main(args + ["--max_iters", "6", "--resume"])
+    assert "is at step 8, past --max_iters 6, the run is finished" in capsys.readouterr().out
     assert (out / "log.jsonl").read_bytes() == before and (out / "ckpt.pt").read_bytes() == ckpt_before
 
 

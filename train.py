@@ -795,7 +795,9 @@ def resume_is_done(args, ckpt):
     if ckpt["iter_num"] < end_iter(args):
         return False
     finished = ckpt["iter_num"] >= args.max_iters
-    say(f"--resume: {resume_path(args)} is at step {ckpt['iter_num']} of {args.max_iters}, "
+    at = (f"at step {ckpt['iter_num']} of {args.max_iters}" if ckpt["iter_num"] <= args.max_iters
+          else f"at step {ckpt['iter_num']}, past --max_iters {args.max_iters}")
+    say(f"--resume: {resume_path(args)} is {at}, "
         + ("the run is finished" if finished else f"already at --stop_after {args.stop_after}")
         + f"; nothing to do ({os.path.join(args.out_dir, 'log.jsonl')} is left as it is). "
         + ("Raise --max_iters to train longer, or use --overwrite or a new --out_dir to start over."
