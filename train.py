@@ -1522,6 +1522,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except RunError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+    except RunError as e:   # one write: under torchrun the ranks' lines do not run into each other
+        sys.stderr.write(f"train.py: error{'' if rank0() else ' (rank ' + os.environ['RANK'] + ')'}: {e}\n")
         sys.exit(1)
