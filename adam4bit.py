@@ -569,6 +569,20 @@ def _rows_of_blocks(p, block_size):
             and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements))
 
 
+_PACKED = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+
+
+def _per_row(p, st, block_size):
+    """A plain tensor p's 4-bit states (st) as state_dict() gives them when p's rows are whole
+    blocks: (rows, row_numel / 2) codes and (rows, row_numel / block_size) scales, views of the
+    flat tensors the step uses. FSDP2 keeps these states in that layout (sharded by rows), so a
+    checkpoint has one layout and DCP moves it between unwrapped and fully_shard models."""
+    if _is_dtensor(p) or "exp_avg_scale" not in st or st["exp_avg"].dim() != 1 or p.dim() < 2 \
+            or p.shape[0] == 0 or (p.numel() // p.shape[0]) % block_size:
+        return st
+    return dict(st, **{k: st[k].view(p.shape[0], -1) for k in _PACKED})
+
+
 def _local_state(p, shape, local_rows, dtype, replicated):
     """A zero DTensor state of global `shape`: sharded like p by rows (local_rows of them here),
     or replicated on p's mesh (the gathered step's states)."""
@@ -1021,8 +1035,12 @@ class AdamW4bit(torch.optim.Optimizer):
 
     def state_dict(self):
         """torch's state dict (param groups with their quantize flags) plus the quantizer
-        configuration, seed, progress and LM-head marks."""
+        configuration, seed, progress and LM-head marks. The 4-bit codes and scales of a tensor
+        whose rows are whole blocks come per row (_per_row: FSDP2's layout, views, no copy)."""
         sd = super().state_dict()
+        for i, p in enumerate(self._params()):   # torch numbers the parameters in group order
+            if i in sd["state"]:
+                sd["state"][i] = _per_row(p, sd["state"][i], self.qcfg["block_size"])
         sd["adam4bit"] = {k: self.qcfg[k] for k in sorted(self.qcfg)}
         sd["adam4bit_extra"] = dict(seed=self.seed, progress=self.progress, lm_head=[
             i for i, p in enumerate(self._params()) if id(p) in self._lm_head])
@@ -1074,8 +1092,11 @@ class AdamW4bit(torch.optim.Optimizer):
         # torch casts every state tensor to the parameter's dtype (uint8 codes too): put back the
         # saved tensors with their own dtypes, on the parameter's device.
         for pid, p in zip(saved_ids, params):
-            for k, t in state_dict["state"].get(pid, {}).items():
+            st = state_dict["state"].get(pid, {})
+            for k, t in st.items():
                 if k != "step" and torch.is_tensor(t):
+                    if k in _PACKED and "exp_avg_scale" in st and not _is_dtensor(p):
+                        t = t.reshape(-1)   # per-row codes and scales (_per_row): the step's flat layout
                     self.state[p][k] = t.detach().to(device=p.device).clone()
             if "step" in self.state[p]:
                 self.state[p]["step"] = float(self.state[p]["step"])   # older checkpoints: a tensor

@@ -1276,30 +1276,79 @@ def _fsdp_train_and_save(rank, world, tmp):
     return res
 
 
-def _fsdp_load_and_continue(rank, world, tmp):
-    # a fresh model (other initial values) and optimizer load the 2-rank checkpoint, then 2 steps
+def _dcp_load_and_continue(model, opt, path):
+    """Load the DCP checkpoint at path into model and opt (fresh), then steps 3 and 4."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    _quadratic_steps(model, opt, 3, 5)
+    return steps, _full(model)
+
+
+def _fsdp_load_and_continue(rank, world, tmp, prefix="dcp"):
+    # a fresh model (other initial values) and optimizer load a checkpoint, then 2 steps
     res = {}
     for preset in _FSDP_PRESETS:
         model, opt = _fsdp_quadratic(preset, seed=1)
-        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        dcp.load(sd, checkpoint_id=os.path.join(tmp, f"dcp-{preset}"))
-        set_model_state_dict(model, sd["model"])
-        set_optimizer_state_dict(model, opt, sd["optim"])
-        res[preset, "steps"] = [opt.state[p]["step"] for p in model.parameters()]
-        _quadratic_steps(model, opt, 3, 5)
-        res[preset, 5] = _full(model)
+        res[preset, "steps"], res[preset, 5] = _dcp_load_and_continue(model, opt, os.path.join(tmp, f"{prefix}-{preset}"))
     return res
+
+
+def _unwrapped_dcp_round_trip(tmp):
+    """In this process, without fully_shard: load each 2-rank checkpoint (dcp-PRESET) and step on;
+    train 3 steps and save dcp-plain-PRESET, for 2 ranks to load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    res = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # DCP in one process without a process group: intended
+        for preset in _FSDP_PRESETS:
+            model = _Quadratic(seed=1)
+            opt = A.AdamW4bit(model.parameters(), lr=1e-2, preset=preset, impl="torch")
+            res[preset, "steps"], res[preset, 5] = _dcp_load_and_continue(model, opt, os.path.join(tmp, f"dcp-{preset}"))
+            model, opt = _plain_quadratic(preset, 3)
+            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                     checkpoint_id=os.path.join(tmp, f"dcp-plain-{preset}"))
+    return [res]
+
+
+def test_state_dict_gives_per_row_codes_and_loads_either_layout():
+    """state_dict() gives the 4-bit codes and scales of a tensor whose rows are whole blocks per
+    row, (rows, row_numel / 2) and (rows, row_numel / 128), as views of the step's flat tensors
+    (FSDP2's layout); other tensors' flat. load_state_dict takes these and the flat layout of
+    older checkpoints, and the next steps equal the uninterrupted run's bit for bit."""
+    model, opt = _plain_quadratic("torchao", 3)
+    sd = opt.state_dict()
+    shapes = [tuple(sd["state"][i]["exp_avg"].shape) for i in range(4)]
+    assert shapes == [(40, 128), (33, 64), (3072,), (2048,)] and sd["state"][0]["exp_avg_sq_scale"].shape == (40, 2)
+    assert sd["state"][0]["exp_avg"].data_ptr() == opt.state[model.ps[0]]["exp_avg"].data_ptr()   # a view
+    assert opt.state[model.ps[0]]["exp_avg"].shape == (40 * 128,)                              # left flat
+    flat = {**sd, "state": {i: {k: v.flatten() if k in A._PACKED else v for k, v in st.items()}
+                            for i, st in sd["state"].items()}}
+    layouts = copy.deepcopy(sd), copy.deepcopy(flat)    # before the step changes the state in place
+    _quadratic_steps(model, opt, 3, 5)
+    for saved in layouts:
+        again, opt2 = _plain_quadratic("torchao", 3)
+        opt2.load_state_dict(saved)
+        assert all(v.dim() == 1 for st in opt2.state.values() for k, v in st.items() if k in A._PACKED)
+        _quadratic_steps(again, opt2, 3, 5)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
-    """The 2-rank run with its checkpoints, and the runs that load them on 1 and on 2 ranks."""
+    """The 2-rank run with its checkpoints; the runs that load them on 1 and on 2 ranks and into
+    an unwrapped model; 2 ranks loading the unwrapped model's checkpoint."""
     tmp = tmp_path_factory.mktemp("fsdp")
     saved = _launch("_fsdp_train_and_save", tmp, 2)
-    return saved, _launch("_fsdp_load_and_continue", tmp, 1), _launch("_fsdp_load_and_continue", tmp, 2)
+    one, two = _launch("_fsdp_load_and_continue", tmp, 1), _launch("_fsdp_load_and_continue", tmp, 2)
+    unwrapped = _unwrapped_dcp_round_trip(tmp)
+    return saved, one, two, unwrapped, _launch("_fsdp_load_and_continue", tmp, 2, "dcp-plain")
 
 
 def _plain_quadratic(preset, steps, shapes=_FSDP_SHAPES):
@@ -1341,11 +1390,12 @@ def test_fsdp_two_ranks_equal_one_rank_bit_for_bit(fsdp_runs, preset):
 @pytest.mark.parametrize("preset", _FSDP_PRESETS)
 def test_fsdp_dcp_checkpoint_loads_on_one_and_two_ranks(fsdp_runs, preset):
     """A DCP checkpoint written on 2 ranks (get_optimizer_state_dict, dcp.save) loads with
-    dcp.load / set_optimizer_state_dict into a fresh model on 1 rank and on 2 ranks: the packed
-    codes and scales reshard, and 2 more steps give the uninterrupted run's parameters bit for
-    bit."""
-    saved, one, two = fsdp_runs
-    for res in one + two:
+    dcp.load / set_optimizer_state_dict into a fresh model on 1 rank, on 2 ranks and without
+    fully_shard, and the unwrapped model's checkpoint loads on 2 ranks: the packed codes and scales
+    reshard (state_dict gives a plain tensor's per row, as FSDP2 keeps them), and 2 more steps give
+    the uninterrupted run's parameters bit for bit."""
+    saved, one, two, unwrapped, from_unwrapped = fsdp_runs
+    for res in one + two + unwrapped + from_unwrapped:
         assert res[preset, "steps"] == [3.0] * len(_FSDP_SHAPES)
         for a, b in zip(saved[0][preset, 5], res[preset, 5]):
             assert torch.equal(a, b), (preset, tuple(a.shape))
