@@ -1057,7 +1057,7 @@ class _RecomputeLinear(torch.autograd.Function):
 
 def _compute_dtype(x):
     dev = x.device.type
-    if torch.is_autocast_enabled(dev):
+    if dev != "meta" and torch.is_autocast_enabled(dev):   # meta has no autocast (asking raises)
         return torch.get_autocast_dtype(dev)
     return x.dtype
 
@@ -1602,7 +1602,7 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
         if missing:
             other = [c[0] for c in cands if not _part_of(c[0])]
             raise ValueError(f"apply_pqt(parts={parts!r}): no nn.Linear named {', '.join(missing)} "
-                             f"inside the model; its layers have: {', '.join(have) or 'none'}{already}"
+                             f"inside the model; the parts it has: {', '.join(have) or 'none'}{already}"
                              + (f"; linears without a part name: {_few(other)}" if other else "") + subs
                              + ("" if have else "; select other layers by name with modules="))
         # lm_head=True adds the LM head, which has no part name, to the parts

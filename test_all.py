@@ -2686,13 +2686,18 @@ def test_state_dict_round_trip_resumes_noise():
 
 
 def test_layer_reset_parameters_after_meta_init():
-    """A GaussWSLinear made on the meta device, to_empty, reset_parameters: b_i = 1 and
-    noise_state = [key, 0] as at construction (also after training calls), weight and bias as
-    nn.Linear's init (the same torch seed, the same values)."""
+    """A GaussWSLinear made on the meta device trains there as nn.Linear does (shapes only), and
+    after to_empty and reset_parameters: b_i = 1 and noise_state = [key, 0] as at construction
+    (also after training calls), weight and bias as nn.Linear's init (the same torch seed, the
+    same values)."""
     torch.manual_seed(18)
     ref = g.GaussWSLinear(45, 70, seed=9)
     with torch.device("meta"):
         layer = g.GaussWSLinear(45, 70, seed=9)
+        y = layer(torch.randn(3, 45))             # meta has no autocast to ask about
+        y.sum().backward()
+    assert y.shape == (3, 70) and y.is_meta and layer.b_i.grad.shape == (3, 2)
+    layer.zero_grad(set_to_none=True)
     layer.to_empty(device="cpu")
     torch.manual_seed(18)
     layer.reset_parameters()
@@ -2847,7 +2852,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.apply_pqt(_gpt2_like(), parts="qkv,attn")
     with pytest.raises(ValueError, match="no nn.Linear named"):
         g.apply_pqt(_gpt2_like(), parts="gate")
-    with pytest.raises(ValueError, match="its layers have: none; linears without a part name: 0; select other layers by name with modules="):
+    with pytest.raises(ValueError, match="the parts it has: none; linears without a part name: 0; select other layers by name with modules="):
         g.apply_pqt(nn.Sequential(nn.Linear(3, 3)))
     with pytest.raises(ValueError, match="the model is itself a linear layer \\(Linear\\).*nn.Sequential"):
         g.apply_pqt(nn.Linear(3, 3))
@@ -2955,7 +2960,7 @@ def test_b_target_above_b_init_is_rejected_and_equal_is_fixed_bitwidth():
 
 
 def _have(msg):
-    return set(re.search(r"its layers have: ([a-z, ]+)", msg).group(1).split(", "))
+    return set(re.search(r"the parts it has: ([a-z, ]+)", msg).group(1).split(", "))
 
 
 @pytest.mark.parametrize("kind,parts,missing,have", [
@@ -2978,7 +2983,7 @@ def test_apply_pqt_all_and_od_work_for_both_model_kinds():
         assert "lm_head" not in " ".join(names)
         od = g.apply_pqt(_gpt(kind), parts="od")
         assert [n.rsplit(".", 1)[-1] for n in od] == ["out", "down", "out", "down"]
-        with pytest.raises(ValueError, match=r"have: none \(already GaussWSLinear: "):
+        with pytest.raises(ValueError, match=r"it has: none \(already GaussWSLinear: "):
             g.apply_pqt(m, parts="all")       # applying twice names what is already replaced
 
 
@@ -3433,7 +3438,7 @@ def test_hf_llama_and_gpt2_parts_conv1d_and_tied_heads():
     assert type(m.lm_head) is nn.Linear and type(m.model.embed_tokens) is nn.Embedding
     assert g.apply_pqt(_hf("llama"), parts="od") == [f"model.layers.{i}.{p}" for i in range(2)
                                                      for p in ("self_attn.o_proj", "mlp.down_proj")]
-    with pytest.raises(ValueError, match=r"no nn.Linear named qkv .*have: q, k, v, out, gate, up, down"):
+    with pytest.raises(ValueError, match=r"no nn.Linear named qkv .*it has: q, k, v, out, gate, up, down"):
         g.apply_pqt(_hf("llama"), parts="qkv")
     tied = _hf("llama", tie=True)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
@@ -3645,7 +3650,7 @@ def test_modules_filter_errors_name_the_module_the_value_and_the_glob():
     assert _untouched(m)
     # what is there when nothing is found: linears without part names, nn.Linear subclasses
     seq = nn.Sequential(nn.Linear(8, 8), _MyLinear(8, 8))
-    with pytest.raises(ValueError, match=r"its layers have: none; linears without a part name: 0; not replaced, "
+    with pytest.raises(ValueError, match=r"the parts it has: none; linears without a part name: 0; not replaced, "
                                          r"being nn.Linear subclasses.*: 1 \(_MyLinear\)"):
         g.apply_pqt(seq, parts="all")
     with pytest.raises(ValueError, match=r"the model's linears: none; not replaced.*1 \(_MyLinear\)"):
@@ -4655,7 +4660,7 @@ def test_resume_covers_the_whole_run_and_a_finished_run_is_left_alone(corpus, tm
     assert "is at step 8 of 8, the run is finished" in capsys.readouterr().out
     assert again == log[-1] and again["final_val_loss"] == evals[-1]["val_loss"]
     train.main(args + ["--max_iters", "6", "--resume"])
-    assert "is at step 8, past --max_iters 6, the run is finished" in capsys.readouterr().out
+    assert "is at step 8, past --max_iters 6; nothing to do" in capsys.readouterr().out
     assert (out / "log.jsonl").read_bytes() == before and (out / "ckpt.pt").read_bytes() == ckpt_before
 
 
@@ -5202,11 +5207,15 @@ def test_fresh_run_refuses_either_checkpoint_kind_and_overwrite_removes_both(cor
         with pytest.raises(train.RunError) as e:
             train.main(args)
         assert str(e.value).startswith(f"--out_dir {out} holds an FSDP2 checkpoint ({out / name}): continue that "
-                                       f"run with torchrun --standalone --nproc_per_node N train.py --fsdp --out_dir "
-                                       f"{out} --resume") if name != "ckpt.tmp" else str(e.value).startswith(
+                                       f"run with torchrun --standalone --nproc_per_node N train.py <that run's "
+                                       f"flags> --fsdp --resume (N dividing its --grad_accum)") \
+            if name != "ckpt.tmp" else str(e.value).startswith(
             f"--out_dir {out} holds only {out / name}, an FSDP2 checkpoint whose writing did not finish (the run "
             f"stopped before its first checkpoint was complete): nothing to resume; start over with --overwrite")
         assert "\n" not in str(e.value) and not (out / "ckpt.pt").exists() and not (out / "log.jsonl").exists()
+        if name == "ckpt.tmp":   # what --fsdp --resume then finds
+            with pytest.raises(train.RunError, match=r"no checkpoint at .*ckpt \(only .*ckpt.tmp, whose writing "):
+                train.load_checkpoint(str(out / "ckpt"))
         os.rmdir(out / name)
     for name in ("ckpt", "ckpt.old"):
         os.makedirs(out / name)
@@ -5217,7 +5226,7 @@ def test_fresh_run_refuses_either_checkpoint_kind_and_overwrite_removes_both(cor
     with pytest.raises(train.RunError) as e:
         train.main(args + ["--fsdp"])
     assert str(e.value).startswith(f"--out_dir {out} holds a plain checkpoint ({out / 'ckpt.pt'}): continue that "
-                                   f"run with --resume without --fsdp (python train.py --out_dir {out} --resume, or")
+                                   f"run with python train.py <that run's flags> --resume, without --fsdp")
 
 
 def test_resume_names_the_other_checkpoint_kind_and_takes_an_out_dir(corpus, tmp_path, monkeypatch):
@@ -5234,15 +5243,15 @@ def test_resume_names_the_other_checkpoint_kind_and_takes_an_out_dir(corpus, tmp
         with pytest.raises(train.RunError) as e:
             train.main(base_args(corpus, fsdp_only, *resume))
         assert re.fullmatch(f"--resume: {re.escape(str(fsdp_only))}.* an FSDP2 checkpoint.*not a plain one: resume "
-                            f"it with torchrun --standalone --nproc_per_node N train.py --fsdp --out_dir "
-                            f"{re.escape(str(fsdp_only))} --resume", str(e.value))
+                            f"it with torchrun --standalone --nproc_per_node N train.py <that run's flags> --fsdp "
+                            f"--resume \\(N dividing its --grad_accum\\)", str(e.value))
     _as_fsdp_rank(monkeypatch)
     for resume in (["--resume"], ["--resume", str(out / "ckpt.pt")]):
         with pytest.raises(train.RunError) as e:
             train.main(args + ["--fsdp", *resume])
         assert re.fullmatch(f"--resume: {re.escape(str(out))}.* a plain checkpoint.*not an FSDP2 \\(--fsdp\\) one: "
-                            f"resume it with --resume without --fsdp \\(python train.py --out_dir "
-                            f"{re.escape(str(out))} --resume, .*", str(e.value))
+                            f"resume it with python train.py <that run's flags> --resume, without --fsdp .*",
+                            str(e.value))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")   # DCP in this one process: intended

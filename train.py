@@ -198,12 +198,14 @@ def build_parser():
     g.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard parameters, gradients and optimizer states over the ranks with FSDP2 "
                         "(fully_shard per block and the root; the root only with one rank) instead of DDP; checkpoints are "
-                        "torch.distributed.checkpoint folders (OUT_DIR/ckpt), which load on any number of ranks")
+                        "torch.distributed.checkpoint folders (OUT_DIR/ckpt), which resume on any number of ranks "
+                        "dividing --grad_accum")
     g.add_argument("--out_dir", default="out",
                    help="checkpoint, log.jsonl and loss.png go here; Ctrl-C or SIGTERM saves a checkpoint "
                         "at the next step boundary")
     g.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="continue from OUT_DIR/ckpt.pt, or from the given checkpoint or out_dir (the run then writes "
+                   help="continue from OUT_DIR/ckpt.pt (--fsdp: the folder OUT_DIR/ckpt), or from the given "
+                        "checkpoint or out_dir (the run then writes "
                         "its checkpoints and log.jsonl to --out_dir, default out); --max_iters / "
                         "--tokens_per_param / --stop_after may change, and the flags that leave the numbers alone "
                         "(eval, compile, device, threads); every other flag must match")
@@ -752,11 +754,13 @@ def checkpoints_in(out_dir):
 
 
 def ckpt_kind(path):
-    """(kind, how to resume it) of a checkpoint path: the two kinds are not interchangeable."""
-    out = shlex.quote(os.path.dirname(path) or ".")
+    """(kind, how to resume it) of a checkpoint path: the two kinds are not interchangeable. The
+    command has placeholders: the flags of the run that wrote it (resume checks them against the
+    checkpoint) and N processes."""
     if os.path.isdir(path):
-        return "an FSDP2 checkpoint", f"torchrun --standalone --nproc_per_node N train.py --fsdp --out_dir {out} --resume"
-    return "a plain checkpoint", f"--resume without --fsdp (python train.py --out_dir {out} --resume, or torchrun for DDP)"
+        return "an FSDP2 checkpoint", ("torchrun --standalone --nproc_per_node N train.py <that run's flags> --fsdp "
+                                       "--resume (N dividing its --grad_accum)")
+    return "a plain checkpoint", "python train.py <that run's flags> --resume, without --fsdp (torchrun for DDP)"
 
 
 def resume_path(args):
@@ -795,10 +799,10 @@ def resume_is_done(args, ckpt):
     if ckpt["iter_num"] < end_iter(args):
         return False
     finished = ckpt["iter_num"] >= args.max_iters
-    at = (f"at step {ckpt['iter_num']} of {args.max_iters}" if ckpt["iter_num"] <= args.max_iters
-          else f"at step {ckpt['iter_num']}, past --max_iters {args.max_iters}")
-    say(f"--resume: {resume_path(args)} is {at}, "
-        + ("the run is finished" if finished else f"already at --stop_after {args.stop_after}")
+    state = (f"at step {ckpt['iter_num']} of {args.max_iters}, the run is finished"
+             if ckpt["iter_num"] == args.max_iters else f"at step {ckpt['iter_num']}, past --max_iters {args.max_iters}"
+             if finished else f"at step {ckpt['iter_num']}, already at --stop_after {args.stop_after}")
+    say(f"--resume: {resume_path(args)} is {state}"
         + f"; nothing to do ({os.path.join(args.out_dir, 'log.jsonl')} is left as it is). "
         + ("Raise --max_iters to train longer, or use --overwrite or a new --out_dir to start over."
            if finished else "Raise or drop --stop_after to go on."))
@@ -1385,7 +1389,9 @@ def load_checkpoint(path):
     """Read a checkpoint written by save_checkpoint (or the train.json of a DCP folder); RunError
     with the reason when it is missing, unreadable (corrupt/truncated) or not one of ours."""
     if not os.path.exists(path):
-        raise RunError(f"--resume: no checkpoint at {path}")
+        unfinished = os.path.isdir(path + ".tmp")   # a DCP write that stopped before the first checkpoint
+        raise RunError(f"--resume: no checkpoint at {path}" + (
+            f" (only {path}.tmp, whose writing did not finish: start over with --overwrite)" if unfinished else ""))
     if os.path.isdir(path):
         return load_dcp_meta(path)
     try:
