@@ -1268,7 +1268,7 @@ class RunLog:
             + f" in {elapsed:.1f}s, "
             + (f"{summary['tokens_per_s']:,.0f} tokens/s (median), " if summary["tokens_per_s"] else "")
             + val
-            + f"peak memory {summary['peak_mem_mb']:,.0f} MB, optimizer state {summary['optimizer_state_mb']:.2f} MB"
+            + f"peak memory {summary['peak_mem_mb']:,.0f} MiB, optimizer state {summary['optimizer_state_mb']:.2f} MiB"
             + (" per process" if self.proc.world > 1 else "")
             + (f", mean b_t {b_t_mean:.3f}" if b_t_mean is not None else ""))
         say(f"checkpoint {self.ckpt_path}, log {self.path}")
