@@ -1190,7 +1190,12 @@ def _launch(fn, tmp, world, *args, timeout=300):
     LOCAL_RANK set as torchrun does) and return their results, rank by rank. A
     rank is judged by the result file it wrote, not by its exit status: gloo on CPU sometimes
     aborts (SIGABRT) in process-group teardown, after the results are written, and that is not a
-    failure of what is tested. A rank that wrote nothing fails the test with its stderr."""
+    failure of what is tested. A rank that wrote nothing fails the test with its stderr. An
+    earlier launch of fn on `world` ranks in tmp leaves nothing this one reads: its results, its
+    arguments and its file store (a store file left by an aborted teardown hangs the next group)."""
+    for stale in [f"store-{fn}-{world}", f"{fn}.{world}.args.pt"] + [f"{fn}.{world}.{r}.pt" for r in range(world)]:
+        if os.path.exists(os.path.join(str(tmp), stale)):
+            os.remove(os.path.join(str(tmp), stale))
     if args:
         torch.save(args, os.path.join(str(tmp), f"{fn}.{world}.args.pt"))
     code = f"import test_all; test_all._rank_main({fn!r}, {str(tmp)!r}, {{}}, {world})"
