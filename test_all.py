@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -5141,13 +5142,23 @@ def test_train_fsdp_compiled_one_rank_equals_plain_compiled_bit_for_bit(corpus, 
 
 
 def test_fsdp_checkpoint_folder_fallback_and_refusals(tmp_path):
-    """A crash between save_dcp_checkpoint's two renames leaves ckpt.old and ckpt.tmp: --resume
-    takes ckpt.old (complete), never ckpt.tmp; a folder without train.json is refused in one
-    line, and so is a --fsdp folder resumed without --fsdp."""
-    args = argparse.Namespace(out_dir=str(tmp_path), fsdp=True, resume="auto")
+    """A crash between save_dcp_checkpoint's two renames leaves ckpt.old and a complete ckpt.tmp
+    (train.json, written last, in it): --resume takes the newer ckpt.tmp, and ckpt.old when
+    ckpt.tmp is unfinished; a first save cut before its rename leaves a complete ckpt.tmp alone,
+    which --resume takes and a fresh run names for resuming; a folder without train.json is
+    refused in one line, and so is a --fsdp folder resumed without --fsdp."""
+    args = argparse.Namespace(out_dir=str(tmp_path), fsdp=True, resume="auto", overwrite=False)
     os.makedirs(tmp_path / "ckpt.old")
     os.makedirs(tmp_path / "ckpt.tmp")
     assert train.resume_path(args) == str(tmp_path / "ckpt.old")
+    (tmp_path / "ckpt.tmp" / "train.json").write_text("{}")
+    assert train.resume_path(args) == str(tmp_path / "ckpt.tmp")
+    os.rmdir(tmp_path / "ckpt.old")
+    assert train.resume_path(args) == str(tmp_path / "ckpt.tmp")
+    with pytest.raises(train.RunError, match=r"holds an FSDP2 checkpoint \(.*ckpt.tmp\): continue that run with "
+                                             r"--resume, or start over"):
+        train.check_out_dir(argparse.Namespace(**{**vars(args), "resume": None}), train.Process(False, 0, 1, "cpu"))
+    shutil.rmtree(tmp_path / "ckpt.tmp")
     os.makedirs(tmp_path / "ckpt")
     assert train.resume_path(args) == str(tmp_path / "ckpt")
     with pytest.raises(train.RunError, match="not a complete train.py --fsdp checkpoint folder"):
@@ -5247,15 +5258,17 @@ def test_resume_names_the_other_checkpoint_kind_and_takes_an_out_dir(corpus, tmp
     for resume in (["--resume"], ["--resume", str(fsdp_only)], ["--resume", str(fsdp_only / "ckpt")]):
         with pytest.raises(train.RunError) as e:
             train.main(base_args(corpus, fsdp_only, *resume))
+        given = "" if len(resume) == 1 else " " + re.escape(str(fsdp_only / "ckpt"))   # a given path stays
         assert re.fullmatch(f"--resume: {re.escape(str(fsdp_only))}.* an FSDP2 checkpoint.*not a plain one: resume "
                             f"it with torchrun --standalone --nproc_per_node N train.py <that run's flags> --fsdp "
-                            f"--resume \\(N dividing its --grad_accum\\)", str(e.value))
+                            f"--resume{given} \\(N dividing its --grad_accum\\)", str(e.value))
     _as_fsdp_rank(monkeypatch)
     for resume in (["--resume"], ["--resume", str(out / "ckpt.pt")]):
         with pytest.raises(train.RunError) as e:
             train.main(args + ["--fsdp", *resume])
+        given = "" if len(resume) == 1 else " " + re.escape(str(out / "ckpt.pt"))
         assert re.fullmatch(f"--resume: {re.escape(str(out))}.* a plain checkpoint.*not an FSDP2 \\(--fsdp\\) one: "
-                            f"resume it with python train.py <that run's flags> --resume, without --fsdp .*",
+                            f"resume it with python train.py <that run's flags> --resume{given}, without --fsdp .*",
                             str(e.value))
 
 

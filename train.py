@@ -717,7 +717,8 @@ def check_out_dir(args, proc):
     """RunError (one line) before any data or model: a fresh run would replace a checkpoint of either
     kind in --out_dir (without --overwrite), or --out_dir cannot be created or written (with the reason)."""
     found = checkpoints_in(args.out_dir)
-    if not args.resume and not args.overwrite and found == [os.path.join(args.out_dir, "ckpt.tmp")]:
+    if not args.resume and not args.overwrite and found == [os.path.join(args.out_dir, "ckpt.tmp")] \
+            and not dcp_complete(found[0]):
         raise RunError(f"--out_dir {args.out_dir} holds only {found[0]}, an FSDP2 checkpoint whose writing "
                        f"did not finish (the run stopped before its first checkpoint was complete): nothing to "
                        f"resume; start over with --overwrite (removes it and replaces log.jsonl)")
@@ -753,14 +754,14 @@ def checkpoints_in(out_dir):
     return [p for p in (os.path.join(out_dir, n) for n in CKPT_NAMES) if os.path.exists(p)]
 
 
-def ckpt_kind(path):
+def ckpt_kind(path, resume="--resume"):
     """(kind, how to resume it) of a checkpoint path: the two kinds are not interchangeable. The
     command has placeholders: the flags of the run that wrote it (resume checks them against the
-    checkpoint) and N processes."""
+    checkpoint) and N processes; `resume` is its --resume flag (with the path a run was given)."""
     if os.path.isdir(path):
         return "an FSDP2 checkpoint", ("torchrun --standalone --nproc_per_node N train.py <that run's flags> --fsdp "
-                                       "--resume (N dividing its --grad_accum)")
-    return "a plain checkpoint", "python train.py <that run's flags> --resume, without --fsdp (torchrun for DDP)"
+                                       f"{resume} (N dividing its --grad_accum)")
+    return "a plain checkpoint", f"python train.py <that run's flags> {resume}, without --fsdp (torchrun for DDP)"
 
 
 def resume_path(args):
@@ -770,9 +771,20 @@ def resume_path(args):
     if args.resume != "auto" and not (os.path.isdir(folder) and checkpoints_in(folder)):
         return args.resume
     path = ckpt_path(args, folder)
-    # a DCP folder is replaced by two renames (save_dcp_checkpoint); a crash between them leaves
-    # the previous, complete checkpoint as ckpt.old
-    return path + ".old" if not os.path.exists(path) and os.path.isdir(path + ".old") else path
+    if os.path.exists(path):
+        return path
+    # a DCP folder is replaced by two renames (save_dcp_checkpoint): a crash between them leaves the
+    # new checkpoint complete as ckpt.tmp (train.json, written last, in it) and the previous one as
+    # ckpt.old; a crash before them (a first save) a complete ckpt.tmp alone
+    if dcp_complete(path + ".tmp"):
+        return path + ".tmp"
+    return path + ".old" if os.path.isdir(path + ".old") else path
+
+
+def dcp_complete(path):
+    """True if the DCP folder `path` was written to the end (save_dcp_checkpoint adds its
+    train.json last)."""
+    return os.path.isfile(os.path.join(path, "train.json"))
 
 
 def check_resume_kind(args):
@@ -780,15 +792,16 @@ def check_resume_kind(args):
     checkpoint than this run writes (a DCP folder without --fsdp, a ckpt.pt with it), or finds
     none of its kind where one of the other kind lies."""
     path, this = resume_path(args), "an FSDP2 (--fsdp)" if args.fsdp else "a plain"
+    given = lambda p: "--resume" if args.resume == "auto" else f"--resume {shlex.quote(p)}"   # noqa: E731
     if os.path.exists(path):
         if os.path.isdir(path) != args.fsdp:
-            kind, how = ckpt_kind(path)
+            kind, how = ckpt_kind(path, given(path))
             raise RunError(f"--resume: {path} is {kind}, not {this} one: resume it with {how}")
         return
     folder = os.path.dirname(path)
     other = [p for p in checkpoints_in(folder) if os.path.isdir(p) != args.fsdp and not p.endswith(".tmp")]
     if other:
-        kind, how = ckpt_kind(other[0])
+        kind, how = ckpt_kind(other[0], given(other[0]))
         raise RunError(f"--resume: {folder} holds {kind} ({other[0]}), not {this} one: resume it with {how}")
 
 
@@ -1312,8 +1325,8 @@ def dcp_state(model, optimizer, rng):
 def save_dcp_checkpoint(path, meta, model, optimizer, rng, master):
     """Every rank: write the DCP folder `path` for step meta["iter_num"] atomically: dcp.save into
     path.tmp, rank 0 adds train.json (meta: step, config, ...), then replaces path by two renames
-    (path -> path.old, path.tmp -> path; resume_path falls back to path.old if a crash falls
-    between them) and removes path.old. A collective: every rank calls it at the same step."""
+    (path -> path.old, path.tmp -> path; after a crash between them resume_path takes the complete
+    path.tmp, else path.old) and removes path.old. A collective: every rank calls it at the same step."""
     import torch.distributed.checkpoint as dcp
     tmp, old = path + ".tmp", path + ".old"
     if master and os.path.exists(tmp):
