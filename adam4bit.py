@@ -562,11 +562,15 @@ def _is_dtensor(x):
     return DTensor is not None and isinstance(x, DTensor)
 
 
+def _block_rows(p, block_size):
+    """True if p's rows are whole blocks: >= 2 dims and numel / size(0) a multiple of block_size."""
+    return p.dim() >= 2 and p.shape[0] > 0 and (p.numel() // p.shape[0]) % block_size == 0
+
+
 def _rows_of_blocks(p, block_size):
-    """True if every shard of DTensor p is whole rows of whole blocks: all placements Shard(0) or
-    Replicate, and numel / size(0) a multiple of block_size (p has >= 2 dims)."""
-    return (p.dim() >= 2 and p.shape[0] > 0 and (p.numel() // p.shape[0]) % block_size == 0
-            and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements))
+    """True if every shard of DTensor p is whole rows of whole blocks: _block_rows, and all
+    placements Shard(0) or Replicate."""
+    return _block_rows(p, block_size) and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements)
 
 
 _PACKED = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
@@ -577,8 +581,7 @@ def _per_row(p, st, block_size):
     blocks: (rows, row_numel / 2) codes and (rows, row_numel / block_size) scales, views of the
     flat tensors the step uses. FSDP2 keeps these states in that layout (sharded by rows), so a
     checkpoint has one layout and DCP moves it between unwrapped and fully_shard models."""
-    if _is_dtensor(p) or "exp_avg_scale" not in st or st["exp_avg"].dim() != 1 or p.dim() < 2 \
-            or p.shape[0] == 0 or (p.numel() // p.shape[0]) % block_size:
+    if _is_dtensor(p) or "exp_avg_scale" not in st or st["exp_avg"].dim() != 1 or not _block_rows(p, block_size):
         return st
     return dict(st, **{k: st[k].view(p.shape[0], -1) for k in _PACKED})
 

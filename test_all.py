@@ -5155,6 +5155,8 @@ def test_fsdp_checkpoint_folder_fallback_and_refusals(tmp_path):
     assert train.resume_path(args) == str(tmp_path / "ckpt.tmp")
     os.rmdir(tmp_path / "ckpt.old")
     assert train.resume_path(args) == str(tmp_path / "ckpt.tmp")
+    with pytest.raises(train.RunError, match=r"no checkpoint at .*ckpt \(.*ckpt.tmp is complete: --resume .*ckpt.tmp\)"):
+        train.load_checkpoint(str(tmp_path / "ckpt"))    # an explicit --resume OUT/ckpt
     with pytest.raises(train.RunError, match=r"holds an FSDP2 checkpoint \(.*ckpt.tmp\): continue that run with "
                                              r"--resume, or start over"):
         train.check_out_dir(argparse.Namespace(**{**vars(args), "resume": None}), train.Process(False, 0, 1, "cpu"))

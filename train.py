@@ -717,12 +717,11 @@ def check_out_dir(args, proc):
     """RunError (one line) before any data or model: a fresh run would replace a checkpoint of either
     kind in --out_dir (without --overwrite), or --out_dir cannot be created or written (with the reason)."""
     found = checkpoints_in(args.out_dir)
-    if not args.resume and not args.overwrite and found == [os.path.join(args.out_dir, "ckpt.tmp")] \
-            and not dcp_complete(found[0]):
-        raise RunError(f"--out_dir {args.out_dir} holds only {found[0]}, an FSDP2 checkpoint whose writing "
-                       f"did not finish (the run stopped before its first checkpoint was complete): nothing to "
-                       f"resume; start over with --overwrite (removes it and replaces log.jsonl)")
     if not args.resume and not args.overwrite and found:
+        if found == [os.path.join(args.out_dir, "ckpt.tmp")] and not dcp_complete(found[0]):
+            raise RunError(f"--out_dir {args.out_dir} holds only {found[0]}, an FSDP2 checkpoint whose writing "
+                           f"did not finish (the run stopped before its first checkpoint was complete): nothing to "
+                           f"resume; start over with --overwrite (removes it and replaces log.jsonl)")
         kind, how = ckpt_kind(found[0])
         how = "--resume" if os.path.isdir(found[0]) == args.fsdp else how
         raise RunError(f"--out_dir {args.out_dir} holds {kind} ({found[0]}): continue that run with {how}, "
@@ -812,9 +811,12 @@ def resume_is_done(args, ckpt):
     if ckpt["iter_num"] < end_iter(args):
         return False
     finished = ckpt["iter_num"] >= args.max_iters
-    state = (f"at step {ckpt['iter_num']} of {args.max_iters}, the run is finished"
-             if ckpt["iter_num"] == args.max_iters else f"at step {ckpt['iter_num']}, past --max_iters {args.max_iters}"
-             if finished else f"at step {ckpt['iter_num']}, already at --stop_after {args.stop_after}")
+    if ckpt["iter_num"] == args.max_iters:
+        state = f"at step {ckpt['iter_num']} of {args.max_iters}, the run is finished"
+    elif finished:
+        state = f"at step {ckpt['iter_num']}, past --max_iters {args.max_iters}"
+    else:
+        state = f"at step {ckpt['iter_num']}, already at --stop_after {args.stop_after}"
     say(f"--resume: {resume_path(args)} is {state}"
         + f"; nothing to do ({os.path.join(args.out_dir, 'log.jsonl')} is left as it is). "
         + ("Raise --max_iters to train longer, or use --overwrite or a new --out_dir to start over."
@@ -1402,9 +1404,10 @@ def load_checkpoint(path):
     """Read a checkpoint written by save_checkpoint (or the train.json of a DCP folder); RunError
     with the reason when it is missing, unreadable (corrupt/truncated) or not one of ours."""
     if not os.path.exists(path):
-        unfinished = os.path.isdir(path + ".tmp")   # a DCP write that stopped before the first checkpoint
+        tmp = path + ".tmp"   # a DCP save cut before its final rename
         raise RunError(f"--resume: no checkpoint at {path}" + (
-            f" (only {path}.tmp, whose writing did not finish: start over with --overwrite)" if unfinished else ""))
+            f" ({tmp} is complete: --resume {shlex.quote(tmp)})" if dcp_complete(tmp) else
+            f" (only {tmp}, whose writing did not finish: start over with --overwrite)" if os.path.isdir(tmp) else ""))
     if os.path.isdir(path):
         return load_dcp_meta(path)
     try:
