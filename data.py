@@ -34,6 +34,8 @@ import urllib.request
 import numpy as np
 import torch
 
+from runlock import FileLock, describe
+
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 TEXT_EXT = (".txt", ".md", ".py")
 REMOTE = ("openwebtext", "fineweb-edu", "c4")
@@ -336,6 +338,20 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
     want = {"tokenizer": tok.name, "max_tokens": max_tokens,
             "source_files": source_signature(root, files) if files else None}
     out = os.path.join(data_dir or DATA_DIR, dataset_name(dataset, tok.name, max_tokens))
+    # One process prepares a folder at a time (a sweep started together asks for the same corpus):
+    # the others wait here, then find it prepared. The lock sits beside the folder, not in it.
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    lock = FileLock(out + ".lock")
+    lock.acquire(wait=True, on_wait=lambda holder: verbose and print(
+        f"[data] waiting for {describe(holder)} to finish preparing {out}", flush=True))
+    try:
+        return _prepare_locked(dataset, tok, out, want, files, root if files else None, max_tokens, verbose)
+    finally:
+        lock.release()
+
+
+def _prepare_locked(dataset, tok, out, want, files, root, max_tokens, verbose):
+    """prepare() once the folder's lock is held: reuse a matching folder or (re)write it."""
     if os.path.exists(os.path.join(out, "meta.json")):
         meta = load_meta(out)
         diff = [k for k in want if meta.get(k) != want[k]]
@@ -347,6 +363,10 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
                             for k in diff)
             print(f"[data] {out} does not match this request ({why}): preparing it again")
         os.remove(os.path.join(out, "meta.json"))  # unfinished until the new meta.json is written
+    if os.path.isdir(out):  # what a preparation killed part-way left (the lock is ours: no one writes now)
+        for name in os.listdir(out):
+            if ".tmp" in name:
+                os.remove(os.path.join(out, name))
     if verbose:
         print(f"[data] preparing {out} from {dataset} ({tok.name} tokenizer; done once, reused by later runs)",
               flush=True)
@@ -376,13 +396,15 @@ def prepare(dataset="stdlib", tokenizer="gpt2", data_dir=None, max_tokens=None, 
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
     os.makedirs(out, exist_ok=True)
     for split, ids in (("train", train), ("val", val)):
-        tmp = os.path.join(out, f"{split}.bin.tmp")
+        # a name of this process's own, published whole by os.replace: a run reading the old
+        # file keeps its open copy, a run starting now sees either file complete
+        tmp = os.path.join(out, f"{split}.bin.tmp{os.getpid()}")
         ids.astype(dtype).tofile(tmp)
         os.replace(tmp, os.path.join(out, f"{split}.bin"))
     meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "dtype": np.dtype(dtype).name,
             "train_tokens": int(len(train)), "val_tokens": int(len(val)), "source": source,
             "dataset": dataset, "val_split": "val* files" if val_docs else "last 10 %", **want}
-    tmp = os.path.join(out, "meta.json.tmp")
+    tmp = os.path.join(out, f"meta.json.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(tmp, os.path.join(out, "meta.json"))
@@ -417,12 +439,14 @@ class Batches:
         self.folder, self.block_size, self.seed = folder, block_size, seed
         self.meta = load_meta(folder)
         self.dtype = np.dtype(self.meta["dtype"])
-        self.n = {s: os.path.getsize(os.path.join(folder, f"{s}.bin")) // self.dtype.itemsize
-                  for s in ("train", "val")}
+        # the files stay open: a corpus prepared again meanwhile (os.replace) leaves this run reading
+        # the tokens it started with, never a mix of old and new
+        self.files = {s: open(os.path.join(folder, f"{s}.bin"), "rb") for s in ("train", "val")}
+        self.n = {s: os.fstat(f.fileno()).st_size // self.dtype.itemsize for s, f in self.files.items()}
 
     def _memmap(self, split):
         # a fresh memmap per batch: numpy keeps pages of a long-lived memmap referenced (nanoGPT note)
-        return np.memmap(os.path.join(self.folder, f"{split}.bin"), dtype=self.dtype, mode="r")
+        return np.memmap(self.files[split], dtype=self.dtype, mode="r")
 
     def _windows(self, split, starts):
         data = self._memmap(split)

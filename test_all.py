@@ -19,13 +19,16 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import time
 import warnings
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU
@@ -49,6 +52,7 @@ import data as datamod
 import experiments
 import gaussws as g
 import philox
+import runlock
 import train
 from codebooks import CODEBOOKS, NF4, dynamic_map, get_codebook
 from model import GPT, PRESETS, preset_config
@@ -4189,6 +4193,90 @@ def test_max_tokens_is_part_of_the_cache_identity(tmp_path):
     for bad in (0, -5, 2.5):
         with pytest.raises(ValueError, match="--max_tokens"):
             datamod.prepare(src, "byte", data_dir=dd, max_tokens=bad, verbose=False)
+
+
+def _prepare_in_child(args, q):
+    try:
+        q.put(("ok", datamod.prepare(*args, verbose=False)))
+    except Exception as e:  # reported to the parent, which asserts on it
+        q.put(("error", repr(e)))
+
+
+def test_concurrent_preparations_of_one_corpus_wait_for_each_other(tmp_path):
+    # a sweep started together: every run asks for the same new corpus at once
+    src, dd = tmp_path / "src", str(tmp_path / "d")
+    src.mkdir()
+    words = np.array(["alpha", "beta", "gamma", "delta", "\n"])
+    text = " ".join(words[np.random.default_rng(0).integers(0, 5, 400_000)])
+    (src / "a.txt").write_text(text, encoding="utf-8")
+    out = os.path.join(dd, datamod.dataset_name(str(src), "byte"))
+    os.makedirs(out)
+    open(os.path.join(out, "train.bin.tmp12345"), "wb").write(b"\0" * 10)  # a preparation killed part-way
+    busy = runlock.FileLock(out + ".lock")
+    busy.acquire()              # a process preparing it right now
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_prepare_in_child, args=((str(src), "byte", dd), q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)
+    assert all(p.is_alive() for p in procs)          # all three wait for the holder ...
+    assert not os.path.exists(os.path.join(out, "train.bin"))   # ... and write nothing meanwhile
+    busy.release()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join()
+    assert results == [("ok", out)] * 3
+    meta = datamod.load_meta(out)
+    assert meta["train_tokens"] + meta["val_tokens"] == len(text.encode())
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]   # no temporary file left
+
+
+def test_batches_keep_reading_the_corpus_they_started_with(tmp_path):
+    src, dd = tmp_path / "src", str(tmp_path / "d")
+    src.mkdir()
+    (src / "a.txt").write_text("alpha beta\n" * 400, encoding="utf-8")
+    folder = datamod.prepare(str(src), "byte", data_dir=dd, verbose=False)
+    b = datamod.Batches(folder, block_size=16, seed=0)
+    x, _ = b.train_batch(4, step=0)
+    (src / "a.txt").write_text("gamma delta epsilon\n" * 900, encoding="utf-8")   # edited: prepared again
+    assert datamod.prepare(str(src), "byte", data_dir=dd, verbose=False) == folder
+    assert datamod.load_meta(folder)["train_tokens"] > b.n["train"]
+    assert torch.equal(b.train_batch(4, step=0)[0], x)       # the running reader is not switched mid-run
+    assert not torch.equal(datamod.Batches(folder, 16, seed=0).train_batch(4, step=0)[0], x)
+
+
+def _hold_lock_then(path, then, conn):
+    lock = runlock.FileLock(path)
+    lock.acquire()
+    conn.send(os.getpid())      # a pipe's send is synchronous: sent before the kill below
+    if then == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def test_runlock_names_a_live_holder_and_reports_a_killed_one(tmp_path):
+    path = str(tmp_path / "x.lock")
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    live = ctx.Process(target=_hold_lock_then, args=(path, "sleep", child))
+    live.start()
+    assert parent.poll(60)
+    pid = parent.recv()
+    with pytest.raises(runlock.Locked, match=f"pid {pid} on "):
+        runlock.FileLock(path).acquire(wait=False)
+    live.kill()
+    live.join()
+    killed = ctx.Process(target=_hold_lock_then, args=(path, "kill", child))
+    killed.start()
+    assert parent.poll(60)
+    pid = parent.recv()
+    killed.join()
+    lock = runlock.FileLock(path)
+    stale = lock.acquire(wait=False)           # not a hang: the kernel released the killed holder's lock
+    assert stale["pid"] == pid                 # and its note says who it was
+    lock.release()
+    assert runlock.FileLock(path).acquire(wait=False) is None   # a clean release leaves no note
 
 
 def test_edited_or_renamed_source_is_prepared_again(tmp_path, capsys):
