@@ -5927,3 +5927,44 @@ def test_finetune_hf_rejects_bad_inputs_in_one_line_before_training(tmp_path, ca
     with pytest.raises(SystemExit):
         finetune_hf.parse_args(["--help"])
     assert "tokenizer when --model is given" in " ".join(capsys.readouterr().out.split())
+
+
+# =============================================================================================
+# README.md: its code runs as pasted, its commands in the order shown
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def readme_blocks(lang):
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_readme_python_block_runs_as_pasted(i, tmp_path):
+    blocks = readme_blocks("python")
+    assert len(blocks) == 3                        # AdamW4bit loop, apply_pqt, Hugging Face
+    if "transformers" in blocks[i]:
+        pytest.importorskip("transformers", reason="the Hugging Face block needs transformers and accelerate")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")   # from another folder, as after pip install
+    r = subprocess.run([sys.executable, "-c", blocks[i]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_readme_train_commands_each_write_their_own_out_dir():
+    # run in the order shown, a fresh run into a folder holding a checkpoint is refused; only --resume reuses one
+    seen = set()
+    for block in readme_blocks("bash"):
+        for line in block.splitlines():
+            for cmd in line.split("#")[0].split("&&"):
+                argv = shlex.split(cmd)
+                if "train.py" not in argv:
+                    continue
+                args = train.build_parser().parse_args(argv[argv.index("train.py") + 1:])
+                if args.resume is None:
+                    assert args.out_dir not in seen, f"README: {cmd.strip()!r} reuses --out_dir {args.out_dir}"
+                    seen.add(args.out_dir)
+                else:
+                    assert args.out_dir in seen, f"README: {cmd.strip()!r} resumes a folder no command wrote"
+    assert len(seen) >= 5
