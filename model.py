@@ -13,6 +13,10 @@ them by name: block.attn.qkv, block.attn.out, block.mlp.up, block.mlp.down for G
 (fused q/k/v projection), block.attn.q/k/v/out, block.mlp.gate/up/down for Llama-style ones.
 The LM head is model.lm_head and is never replaced by PQT (paper A applies PQT to the block
 linears only).
+
+Activation checkpointing: `model.checkpoint_blocks = True` keeps only each block's input in training
+and recomputes the block in backward (torch.utils.checkpoint, non-reentrant). A GaussWSLinear's
+recomputation reuses the seed of its forward, so the gradients equal those of the run without it.
 """
 
 import math
@@ -21,6 +25,7 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass
@@ -252,6 +257,7 @@ class GPT(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self._init_gpt_weights()
+        self.checkpoint_blocks = False   # activation checkpointing per block (module docstring)
 
     def _init_gpt_weights(self):
         self.apply(self._init_weights)
@@ -315,7 +321,10 @@ class GPT(nn.Module):
         x = self.drop(x)
         rope = (self.rope_cos, self.rope_sin) if self.config.pos == "rope" else None
         for block in self.blocks:
-            x = block(x, rope)
+            if self.checkpoint_blocks and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, use_reentrant=False)
+            else:
+                x = block(x, rope)
         x = self.norm_f(x)
         if targets is None:
             return self.lm_head(x[:, -1:, :]), None

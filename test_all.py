@@ -3997,6 +3997,34 @@ def nano_args(corpus, *extra):
 # ---------------------------------------------------------------------------------------------
 # model.py
 
+@pytest.mark.parametrize("method", ["bf16", "gaussws", "diffq"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit(preset, method):
+    torch.manual_seed(0)
+    plain = GPT(preset_config(preset, vocab_size=256, dropout=0.0))
+    if method != "bf16":
+        g.apply_pqt(plain, method=method, parts="all", seed=3)
+    ck = copy.deepcopy(plain)
+    ck.checkpoint_blocks = True
+    x = torch.randint(0, 256, (2, 32))
+    for _ in range(2):                                   # two steps: the noise counters advance alike
+        for m in (plain, ck):
+            m.zero_grad()
+            m(x, x)[1].backward()
+        for (n, a), b in zip(plain.named_parameters(), ck.parameters()):
+            assert torch.equal(a.grad, b.grad), n
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ck.buffers()))
+    with torch.no_grad():                                # no recomputation outside training
+        assert torch.equal(plain(x, x)[1], ck(x, x)[1])
+    saved = {}
+    for m in (plain, ck):                                # and ck keeps fewer activations for backward
+        n = [0]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: n.__setitem__(0, n[0] + 1) or t, lambda t: t):
+            m(x, x)
+        saved[m is ck] = n[0]
+    assert saved[True] < saved[False] / 2, saved
+
+
 @pytest.mark.parametrize("preset", ["nano", "nano-llama"])
 def test_model_parts_names_and_shapes(preset):
     cfg = preset_config(preset, vocab_size=256)
