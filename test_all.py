@@ -55,6 +55,7 @@ import experiments
 import gaussws as g
 import philox
 import runlock
+import tools
 import train
 from codebooks import CODEBOOKS, NF4, dynamic_map, get_codebook
 from model import GPT, PRESETS, preset_config
@@ -5904,6 +5905,27 @@ def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
     (tmp_path / "mystery.json").write_text("{}")
     experiments.main(["plots", str(tmp_path / "mystery.json")])
     assert "no plot for" in capsys.readouterr().out
+
+
+def test_tools_parses_each_subcommand_and_finds_what_it_calls(capsys):
+    """tools.py: each subcommand's flags parse, bad values are one-line errors, the GPU ones say so
+    on CPU, and the gaussws and bench_training functions they call exist (a rename shows here)."""
+    ap = tools.build_parser()
+    assert ap.parse_args(["kernels", "--short", "--shapes", "4096x4096,768x2048"]).shapes == [(4096, 4096), (768, 2048)]
+    assert ap.parse_args(["kernels"]).shapes is None and ap.parse_args(["launches"]).command == "launches"
+    assert ap.parse_args(["profile", "llama-1b"]).presets == ["llama-1b"]
+    for bad, said in ((["kernels", "--shapes", "4096"], "MxN"), (["profile", "llama-9b"], "not a Table 1 preset"),
+                      (["nosuch"], "invalid choice")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            tools.main(bad)
+        assert e.value.code == 2 and said in capsys.readouterr().err, bad
+    assert all(callable(getattr(g, n)) for n in tools.GAUSSWS_NAMES)
+    assert all(callable(getattr(bench_training, n)) for n in ("_train_setup", "_queued_steps_ms", "_device_ops"))
+    if not torch.cuda.is_available():
+        for cmd in ("kernels", "profile"):
+            with pytest.raises(SystemExit, match=f"tools.py {cmd} needs a CUDA GPU"):
+                tools.main([cmd])
 
 
 # =============================================================================================
