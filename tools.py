@@ -74,13 +74,12 @@ def kernels(shapes, configs):
                 res[(bt, nw)] = (us(lambda: apply(bt, nw)), us(lambda: grad(live, tmax, bt, nw)), same)
             except Exception as e:   # a config the compiler refuses (registers, shared memory) is a row, not the end
                 res[(bt, nw)] = (float("nan"), float("nan"), repr(e)[:60])
-        cur = res
-        ba = min(res, key=lambda k: res[k][0])
-        bg = min(res, key=lambda k: res[k][1])
+        ba = min(res, key=lambda k: res[k][0] if res[k][0] == res[k][0] else float("inf"))   # NaN: a failed config
+        bg = min(res, key=lambda k: res[k][1] if res[k][1] == res[k][1] else float("inf"))
         pct = lambda t: 100 * floor / t
         print(f"\n{m}x{n} floor {floor:.1f} µs; casts fwd {cast_f:.1f} bwd {cast_b:.1f} µs ({pct(cast_f):.0f} / "
-              f"{pct(cast_b):.0f} % of floor); current apply {cur_a} {cur[cur_a][0]:.1f} µs ({pct(cur[cur_a][0]):.0f} %), "
-              f"grad {cur_g} {cur[cur_g][1]:.1f} µs ({pct(cur[cur_g][1]):.0f} %); best apply {ba} {res[ba][0]:.1f} "
+              f"{pct(cast_b):.0f} % of floor); current apply {cur_a} {res[cur_a][0]:.1f} µs ({pct(res[cur_a][0]):.0f} %), "
+              f"grad {cur_g} {res[cur_g][1]:.1f} µs ({pct(res[cur_g][1]):.0f} %); best apply {ba} {res[ba][0]:.1f} "
               f"({pct(res[ba][0]):.0f} %), best grad {bg} {res[bg][1]:.1f} ({pct(res[bg][1]):.0f} %)", flush=True)
         print("  " + "  ".join(f"{k[0]}x{k[1]}w: {v[0]:.1f}/{v[1]:.1f}{'' if v[2] is True else ' DIFF ' + str(v[2])}"
                                for k, v in res.items()), flush=True)
