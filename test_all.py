@@ -48,11 +48,14 @@ import triton.language as tl
 
 import adam4bit as A
 import bench
+import bench_training
+import bench_util
 import data as datamod
 import experiments
 import gaussws as g
 import philox
 import runlock
+import tools
 import train
 from codebooks import CODEBOOKS, NF4, dynamic_map, get_codebook
 from model import GPT, PRESETS, preset_config
@@ -5556,11 +5559,11 @@ def test_bench_power_during_parses_nvidia_smi(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     calls = [0]
-    r = bench.power_during(lambda: calls.__setitem__(0, calls[0] + 1), seconds=2.0, settle=0.5)
+    r = bench_util.power_during(lambda: calls.__setitem__(0, calls[0] + 1), seconds=2.0, settle=0.5)
     assert r == dict(power_w=650.0, sm_mhz=1700.0, power_cap_pct=200 / 3), r
     assert calls[0] > 0 and "-i 00000000:19:00.0" in (tmp_path / "args").read_text()
     fake.write_text("#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n")
-    assert bench.power_during(lambda: None, seconds=0.05) is None
+    assert bench_util.power_during(lambda: None, seconds=0.05) is None
     assert "No devices were found" in capsys.readouterr().out
 
 
@@ -5778,9 +5781,9 @@ def test_bench_train_cuda_rows_interleave_rounds_and_profile_the_last(monkeypatc
     def setup(preset, method, optim, batch, T, device, compile):
         order.append(method)
         return types.SimpleNamespace(num_params=lambda: 7), None, lambda: None
-    monkeypatch.setattr(bench, "_train_setup", setup)
-    monkeypatch.setattr(bench, "_queued_steps_ms", lambda step, n: next(times))
-    monkeypatch.setattr(bench, "_gpu_profile", lambda step: profiled.append(order[-1]) or (float(len(profiled)), 9.0))
+    monkeypatch.setattr(bench_training, "_train_setup", setup)
+    monkeypatch.setattr(bench_training, "_queued_steps_ms", lambda step, n: next(times))
+    monkeypatch.setattr(bench_training, "_gpu_profile", lambda step: profiled.append(order[-1]) or (float(len(profiled)), 9.0))
     for name in ("reset_peak_memory_stats", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 2 ** 30)
@@ -5819,7 +5822,7 @@ def test_bench_gpu_time_counts_kernels_not_ranges_on_the_gpu_timeline():
     events = [ev("mm_kernel", 0, 5, device_type=cuda), ev("adamw_kernel", 5, 8, device_type=cuda),
               ev("Optimizer.step#AdamW.step", 5, 8, device_type=cuda, is_user_annotation=True),
               ev("aten::mm", 0, 1)]
-    assert [e.name for e in bench._device_ops(events)] == ["mm_kernel", "adamw_kernel"]
+    assert [e.name for e in bench_training._device_ops(events)] == ["mm_kernel", "adamw_kernel"]
 
 
 def test_bench_table1_rows_alone(monkeypatch):
@@ -5846,7 +5849,7 @@ def test_bench_table1_rows_alone(monkeypatch):
 def test_bench_compile_blocks_compiles_each_block_and_nothing_else():
     """Table 1 with `--compile blocks`: every transformer block is compiled (one graph that all
     blocks share), the model around them runs eager."""
-    model, _, _ = bench._train_setup("nano-llama", "gaussws", "zipsr", 2, 16, torch.device("cpu"), "blocks")
+    model, _, _ = bench_training._train_setup("nano-llama", "gaussws", "zipsr", 2, 16, torch.device("cpu"), "blocks")
     assert all(b._compiled_call_impl is not None for b in model.blocks)
     assert all(m._compiled_call_impl is None for m in model.modules() if not isinstance(m, type(model.blocks[0]))
                and not any(m is s for b in model.blocks for s in b.modules()))
@@ -5902,6 +5905,27 @@ def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
     (tmp_path / "mystery.json").write_text("{}")
     experiments.main(["plots", str(tmp_path / "mystery.json")])
     assert "no plot for" in capsys.readouterr().out
+
+
+def test_tools_parses_each_subcommand_and_finds_what_it_calls(capsys):
+    """tools.py: each subcommand's flags parse, bad values are one-line errors, the GPU ones say so
+    on CPU, and the gaussws and bench_training functions they call exist (a rename shows here)."""
+    ap = tools.build_parser()
+    assert ap.parse_args(["kernels", "--short", "--shapes", "4096x4096,768x2048"]).shapes == [(4096, 4096), (768, 2048)]
+    assert ap.parse_args(["kernels"]).shapes is None and ap.parse_args(["launches"]).command == "launches"
+    assert ap.parse_args(["profile", "llama-1b"]).presets == ["llama-1b"]
+    for bad, said in ((["kernels", "--shapes", "4096"], "MxN"), (["profile", "llama-9b"], "not a Table 1 preset"),
+                      (["nosuch"], "invalid choice")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            tools.main(bad)
+        assert e.value.code == 2 and said in capsys.readouterr().err, bad
+    assert all(callable(getattr(g, n)) for n in tools.GAUSSWS_NAMES)
+    assert all(callable(getattr(bench_training, n)) for n in ("_train_setup", "_queued_steps_ms", "_device_ops"))
+    if not torch.cuda.is_available():
+        for cmd in ("kernels", "profile"):
+            with pytest.raises(SystemExit, match=f"tools.py {cmd} needs a CUDA GPU"):
+                tools.main([cmd])
 
 
 # =============================================================================================
@@ -5996,3 +6020,26 @@ def test_readme_train_commands_each_write_their_own_out_dir():
                 else:
                     assert args.out_dir in seen, f"README: {cmd.strip()!r} resumes a folder no command wrote"
     assert len(seen) >= 5
+
+
+# =============================================================================================
+# the repository's modules: no two import each other
+
+def test_no_two_modules_import_each_other():
+    """Every import (at top level or inside a function) between the top-level .py files: a pair
+    that imports each other is a circle a reader cannot follow from one file to the other."""
+    import ast
+    import glob
+    mods = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    imports = {}
+    for name, path in mods.items():
+        tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+        imports[name] = found & set(mods) - {name}
+    pairs = sorted({tuple(sorted((a, b))) for a in imports for b in imports[a] if a in imports[b]})
+    assert not pairs, "modules that import each other: " + ", ".join(f"{a}.py <-> {b}.py" for a, b in pairs)

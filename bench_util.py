@@ -1,0 +1,113 @@
+"""Timing, bandwidth and power helpers and the result-file writer shared by bench*.py and
+experiments.py; they touch the GPU clock and results/, nothing else.
+"""
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+import triton
+
+
+# ---------------------------------------------------------------------------------------------
+# timing, bandwidth and power
+
+def median_ms(fn, warmup=25, rep=100, graph=False):
+    """Median ms of fn (CUDA events); graph=True replays a CUDA graph (GPU time only)."""
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def host_ms(fn, rep=50):
+    """Median CPU time (ms) of one fn() call started with the GPU idle: the host cost of launching
+    it, which a step shorter than that cannot hide."""
+    times = []
+    for _ in range(rep):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[rep // 2]
+
+
+def copy_bandwidth(nbytes=4 << 30):
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x))
+    del x, y
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def power_during(fn, seconds=3.0, settle=1.0):
+    """Run fn back to back for `seconds` while nvidia-smi samples this GPU every 100 ms; the
+    samples of the first `settle` seconds are dropped (NVML's power reading averages over ~1 s).
+    Returns dict(power_w=median board power in W, sm_mhz=median SM clock in MHz,
+    power_cap_pct=% of samples in which the software power cap held the clocks down, NVML reason
+    0x4), or None (with a printed reason) where nvidia-smi, the device's PCI address or the
+    readings are not available. Why: a memory-bound optimizer step can run the GPU at its board
+    power cap, so its time also depends on the energy each step spends, not only on bytes."""
+    import shutil, subprocess, threading, time
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if shutil.which("nvidia-smi") is None or not hasattr(props, "pci_bus_id"):
+        return None
+    bus = f"{getattr(props, 'pci_domain_id', 0):08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    q = "power.draw,clocks.sm,clocks_throttle_reasons.active"
+    mon = subprocess.Popen(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader,nounits", "-i", bus,
+                            "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples = []                               # (arrival time, line)
+    reader = threading.Thread(target=lambda: samples.extend((time.time(), ln) for ln in mon.stdout), daemon=True)
+    reader.start()
+    t_wait = time.time()
+    while not samples and mon.poll() is None and time.time() - t_wait < 5:
+        time.sleep(0.01)                       # nvidia-smi up (or failed) before the clock starts
+    t0 = time.time()
+    try:
+        while time.time() - t0 < seconds:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+    finally:
+        mon.terminate()
+        try:
+            mon.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            mon.kill()
+            mon.wait()
+        reader.join(timeout=5)
+    err = mon.stderr.read()
+    lines = [ln for t, ln in list(samples) if t >= t0 + settle]
+
+    def num(x, base=None):     # a field may read "[N/A]" or "[Not Supported]"
+        try:
+            return float(x) if base is None else int(x, base)
+        except ValueError:
+            return None
+    fields = [[x.strip() for x in line.split(",")] for line in lines]
+    rows = [(num(f[0]), num(f[1]), num(f[2], 16)) for f in fields if len(f) == 3]
+    w, mhz, why = ([r[i] for r in rows if r[i] is not None] for i in range(3))
+    if not (w and mhz and why):
+        print(f"(power/clock readings not available: {(err or ''.join(ln for _, ln in samples[:1])).strip()[:200]!r})")
+        return None
+    return dict(power_w=statistics.median(w), sm_mhz=statistics.median(mhz),
+                power_cap_pct=100 * sum(r & 4 != 0 for r in why) / len(why))
+
+
+# ---------------------------------------------------------------------------------------------
+# result files
+
+def save(section, result, path=None):
+    """Write a section's result as JSON: `path`, default results/<gpu>_<date>_<section>.json."""
+    gpu = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
+    date = datetime.date.today().isoformat()
+    path = path or f"results/{gpu}_{date}_{section}.json"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:   # a result's own "command" (the full command line) wins
+        json.dump({"gpu": gpu, "date": date, "torch": torch.__version__, "triton": triton.__version__,
+                   "command": f"python bench.py --only {section}", **result}, f, indent=1)
+    os.replace(path + ".tmp", path)      # atomic: a killed run leaves the previous file whole
+    print("wrote", path)
