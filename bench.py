@@ -8,6 +8,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only host     # CPU: the 4-bit step's Python work per call (no GPU needed)
     python bench.py --only noise    # GaussWS noise kernels (paper A, Figure 6)
     python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
+    python bench.py --only capacity # the largest 7B-width Llama one GPU trains, per setup (bench_capacity.py)
     python bench.py --only train    # GPT-2-124M compiled: bf16 vs GaussWS vs plain-PyTorch eq. 3
     python bench.py --only train --table1 --compile   # + paper A Table 1 (llama-134m ... 70b-4l)
     python bench.py --only train --table1 --compile --no-gpt2 --models llama-1b   # one Table 1 row
@@ -49,9 +50,9 @@ def build_parser():
     import train as trainer
     ap = trainer.OneLineParser(prog="bench.py", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "ddp", "fsdp", "quality",
-                                       "plots"],
-                    default=None, help="run one section (default: all but ddp and quality); quality and "
+    ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "capacity", "ddp", "fsdp",
+                                       "quality", "plots"],
+                    default=None, help="run one section (default: all but capacity, ddp and quality); quality and "
                                        "plots run experiments.py's code")
     ap.add_argument("--dataset", default="stdlib", help="--only ddp/fsdp/quality: train.py's --dataset")
     ap.add_argument("--iters", type=int, default=None,
@@ -175,6 +176,9 @@ def main(argv=None):
                              on_row=lambda rows: save(section, dict(res, rows=res["rows"] + rows, partial=True)))
             save(section, dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"],
                                command="python bench.py " + shlex.join(argv)))
+    if args.only == "capacity":
+        from bench_capacity import bench_capacity
+        save("capacity", dict(bench_capacity(), command="python bench.py " + shlex.join(argv)))
     if args.only == "ddp":
         if torch.cuda.device_count() < 2:
             raise SystemExit("--only ddp needs 2 GPUs")
