@@ -85,7 +85,7 @@ def _state_bytes(opt):
 def probe(setup, n_layer, steps=3, device="cuda"):
     """Train the 7B-width model with n_layer blocks for `steps` steps under setup (a SETUPS key).
     Returns a dict (params, peak_GiB, measured and arithmetic B/param, tokens_per_s) or None
-    when the GPU ran out of memory; everything the probe allocated is freed either way."""
+    when the GPU ran out of memory (the optimizer's package must be importable: largest checks); everything the probe allocated is freed either way."""
     import gaussws
     from step_in_backward import step_in_backward
     dtype, kind, pqt, in_backward, arith = SETUPS[setup]
@@ -106,8 +106,6 @@ def probe(setup, n_layer, steps=3, device="cuda"):
             torch.set_default_dtype(default)
         model.checkpoint_blocks = True
         opt = make_optimizer(kind, list(model.parameters()))
-        if opt is None:
-            return "skipped"
         if in_backward:
             handles = step_in_backward(opt)
         x = torch.randint(0, WIDTH_7B["vocab_size"], (1, T), device=device)
@@ -143,26 +141,40 @@ def probe(setup, n_layer, steps=3, device="cuda"):
         torch.cuda.empty_cache()
 
 
-def largest(setup, device="cuda"):
-    """Bisection over the layer count: the largest n_layer whose probe fits, with its probe."""
-    dtype, kind, pqt, in_backward, arith = SETUPS[setup]
-    total = torch.cuda.get_device_properties(device).total_memory
-    d, f, kv = WIDTH_7B["n_embd"], WIDTH_7B["ffn_hidden"], WIDTH_7B["n_kv_head"] * 128
-    per_layer = 2 * d * d + 2 * d * kv + 3 * d * f
-    guess = max(1, int(0.9 * total / (per_layer * arith)))
-    lo, hi, best = 0, None, None           # lo fits (0: nothing yet), hi does not
-    n = guess
+def search_largest(fits, guess):
+    """The largest n >= 1 with fits(n) not None, for fits false above some n: from `guess` up by
+    25 % steps until one fails (or down by bisection from it), then bisection. Returns
+    (n, fits(n)), or (0, None) when even 1 does not fit; None from fits means "does not fit"."""
+    lo, hi, best = 0, None, None           # lo fits (0: none yet), hi does not (None: none yet)
+    n = max(1, guess)
     while hi is None or hi - lo > 1:
-        r = probe(setup, n, device=device)
-        if r == "skipped":
-            return None
-        print(f"  {setup}: {n} layers -> " + ("out of memory" if r is None else f"{r['peak_GiB']:.1f} GiB"), flush=True)
+        r = fits(n)
         if r is None:
             hi = n
         else:
             lo, best = n, r
         n = (lo + hi) // 2 if hi is not None else max(lo + 1, int(lo * 1.25))
-    return best
+        if hi == 1:
+            break
+    return lo, best
+
+
+def largest(setup, device="cuda"):
+    """The largest layer count whose probe fits, with its probe (None: the setup was skipped).
+    The search starts where the setup's bytes/param put the whole GPU's memory."""
+    arith = SETUPS[setup][4]
+    total = torch.cuda.get_device_properties(device).total_memory
+    d, f, kv = WIDTH_7B["n_embd"], WIDTH_7B["ffn_hidden"], WIDTH_7B["n_kv_head"] * (d // WIDTH_7B["n_head"])
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * f
+    if make_optimizer(SETUPS[setup][1], [torch.nn.Parameter(torch.zeros(256, device=device))]) is None:
+        return None
+
+    def fits(n):
+        r = probe(setup, n, device=device)
+        print(f"  {setup}: {n} layers -> " + ("out of memory" if r is None else f"{r['peak_GiB']:.1f} GiB"), flush=True)
+        return r
+
+    return search_largest(fits, int(0.9 * total / (per_layer * arith)))[1]
 
 
 def bench_capacity(setups=tuple(SETUPS), device="cuda"):
