@@ -65,20 +65,19 @@ Memory modes: "save" (paper: autograd keeps w_hat in BF16 for ∂L/∂x, +2 B/pa
 (w_hat rebuilt in backward from (w, b_t, seed): no extra persistent bytes, one more
 generate+apply per backward).
 
-Baselines: DiffQ-style PQT (method="diffq"): same eq. 3 with R ~ U(−0.5, 0.5) stored in BF16
-(2 B/element of temporary noise), and Box–Muller (method="bm", `generate_noise` only): R =
-round(N(0,1)/2) from Philox + Box–Muller, packed like ours (the paper's "bm" kernel baseline).
+Baselines: DiffQ-style PQT (method="diffq"): eq. 3 with R ~ U(−0.5, 0.5) in BF16; Box–Muller
+(method="bm", `generate_noise` only): R = round(N(0,1)/2), packed like ours (the "bm" kernel).
 
 Files: this one holds the paper (references, kernels, the differentiable sample, GaussWSLinear);
-beside it pqt_tiles.py (the 32×32 tile grid), pqt_packing.py (4-bit packing of R), pqt_checks.py
-(argument checks), pqt_dispatch.py (torch.library ops for torch.compile, a layer's per-call seed
-under activation checkpointing), pqt_baselines.py (DiffQ and Box–Muller noise), pqt_surgery.py
-(`apply_pqt`, `remove_pqt`, Hugging Face names, `GaussWSConv1D`) and pqt_export.py (Figure 5
-statistics, Table C tiers and casts). Their public names are importable from here too.
+beside it pqt_tiles.py (the 32×32 tile grid), pqt_packing.py (4-bit packing of R), pqt_triton.py
+(NOISE codes, launch configuration, jit helpers), pqt_checks.py (argument checks), pqt_dispatch.py
+(torch.library ops for torch.compile, a layer's per-call seed under activation checkpointing),
+pqt_baselines.py (DiffQ and Box–Muller noise), pqt_surgery.py (`apply_pqt`, `remove_pqt`, Hugging
+Face names, `GaussWSConv1D`) and pqt_export.py (Figure 5 statistics, Table C tiers and casts).
+Their public names are importable from here too.
 """
 import importlib
 import math
-import os
 import struct
 
 import torch
@@ -87,33 +86,22 @@ import torch.nn.functional as F
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 from torch._subclasses.fake_tensor import is_fake
 
 from philox import philox, philox_torch
-# (names imported and not used here are re-exported: callers import them from gaussws)
-from pqt_checks import (GEN_METHODS, IMPLS, MEMORY_MODES, METHODS, W_DTYPES, _SEED_CACHE, _SEED_CACHE_SIZE,
-                        _check_choice, _check_input, _check_layer_args,
-                        _check_layer_dtypes, _check_module, _check_noise, _check_out_dtype,
-                        _check_sample_args, _check_seed, _check_shape, _check_tiles, _check_weight,
-                        _resolve_impl, _seed_tensor)
-from pqt_dispatch import _call_of, _check_recomputed_call, _launch, _layer_seed, _register_sample_ops
-from pqt_packing import pack_noise, unpack_noise, _to_int32
+from pqt_checks import (GEN_METHODS, MEMORY_MODES, METHODS, _check_choice, _check_input, _check_layer_args, _check_layer_dtypes, _check_module, _check_noise, _check_out_dtype,
+                        _check_sample_args, _check_seed, _check_shape, _check_tiles, _check_weight, _resolve_impl, _seed_tensor)
+from pqt_dispatch import _call_of, _check_recomputed_call, _compute_dtype, _launch, _layer_seed, _register_sample_ops
+from pqt_packing import _to_int32, unpack_noise
+from pqt_triton import (CONFIG, NOISE_DENSE, NOISE_FUSED, NOISE_PACKED, _INTERPRET, _add_rn, _exp2,
+                        _interleave8, _launch_config, _max_nan, _noise_mode)
 from pqt_tiles import TILE, _broadcast_tiles, _tile_block, _tile_programs, tile_grid
 
 # eq. 10: exact law of R for method "gaussws"
 P2 = 0.75 * 2.0 ** -9                         # P(R=+2) = P(R=-2)
-
-
 P1 = 0.75 ** 2 * 2.0 ** -2 * (1.0 - 2 * P2)   # P(R=+1) = P(R=-1)
-
-
 P0 = 1.0 - 2 * P1 - 2 * P2
-
-
 NOISE_PROBS = {-2: P2, -1: P1, 0: P0, 1: P1, 2: P2}
-
-# bitwidths (eq. 11–12)
 
 # Safe range of b_t. Sampling uses clamp(b_t, B_MIN, B_MAX); eq. 11 is exact inside the range and
 # b_init, b_target must lie in it. Below 1 bit the PQN step max_32|w|·2^(1−b_t) exceeds the tile
@@ -125,22 +113,7 @@ NOISE_PROBS = {-2: P2, -1: P1, 0: P0, 1: P1, 2: P2}
 # (which see the unclamped eq. 11 value) still pull it back toward b_target, inside the range.
 B_MIN, B_MAX = 1.0, 24.0
 
-# the noise R as the apply and grad kernels get it (`_noise_block`'s NOISE)
-NOISE_PACKED = tl.constexpr(0)   # packed GaussWS R read from memory (kernel 1 made it)
-NOISE_DENSE = tl.constexpr(1)    # dense BF16 DiffQ R read from memory
-NOISE_FUSED = tl.constexpr(2)    # packed GaussWS R drawn from Philox in the kernel itself
-
-# launch configuration of the kernels (block sizes, warps). gen_*, apply_* and grad_* (the unfused
-# kernels) from `python bench.py --only noise` at 4096²–16384²; the fused apply and grad (R drawn
-# in the kernel, what GaussWSLinear runs) from a sweep over (BT tiles per program, warps) at the
-# Table 1 models' weight shapes (results/README.md, section 7): the apply is fastest with one
-# tile and one warp per program at every size, the grad with (4, 4), or one tile per program
-# on weights of at most small_grad[0] tiles
-CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4, grad_warps=4,
-              fused_apply=(1, 1), fused_grad=(4, 4), small_grad=(4096, 1, 1))
-
 _M32 = 0xFFFFFFFF
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # kernels run by Triton's CPU interpreter
 
 
 # ==============================================================================================
@@ -183,14 +156,6 @@ def _recipe_torch(r0, r1, r2, r3):
     is1 = p & (p >> 2) & (r0 >> 3) & lane           # (b11|b12)&(b13|b14)&b15  P = 9/32
     sign = r0 & (is1 | is2)
     return (sign << 3) | (is2 << 1) | (is1 & (is2 ^ lane))
-
-
-def bits_of_element(r0, r1, r2, r3, j):
-    """The 16 bits b0..b15 (as one integer, b_i at bit i) that element j of a packed word uses,
-    gathered from the 4 Philox words as `_recipe_torch` reads them (for tests)."""
-    nib = lambda r: (r >> (4 * j)) & 0xF
-    a, b, c, d = nib(r0), nib(r1), nib(r2), nib(r3)
-    return (a & 7) | (b << 3) | (c << 7) | (d << 11) | (((a >> 3) & 1) << 15)
 
 
 def _gen_gaussws_torch(m, n, seed):
@@ -247,13 +212,11 @@ def _grad_torch(g, noise, tmax, method, w_dtype, bits=None):
 #
 #     ∂L/∂b = where(B_MIN <= b_t <= B_MAX, −((∂L/∂2^(1−b_t) · 2^(1−b_t)) · ln2), 0) · b_scale
 #
-#
 # b_scale = b_init − b_target for b_i (eq. 11), 1 for b_t; the mask and 2^(1−b_t) come in as one
 # tile tensor (`_pow2_live_torch`). These are the float32 operations, in the order, that autograd
 # runs through `_pow2` and `_bitwidth` (exp2: (grad · result) · ln2; rsub: negate; clamp: the
 # mask, ends included; mul: · b_scale), so the bits are autograd's; being products only, no FMA
 # can change them. It saves the launches of those autograd ops (compiled: one Inductor kernel).
-
 
 LN2 = math.log(2)
 
@@ -308,9 +271,7 @@ def _bits_grad_torch(dpow2, live, b_scale, b_dtype):
 
 
 # ==============================================================================================
-# The Triton kernels, in the order of the reference above
-# ----------------------------------------------------------------------------------------------
-# helpers
+# The Triton kernels, in the order of the reference above (`_cast` first: their float32 -> dtype)
 
 @triton.jit
 def _cast(x, dtype: tl.constexpr):
@@ -325,16 +286,6 @@ def _cast(x, dtype: tl.constexpr):
         return x
     else:
         return x.to(dtype)
-
-
-@triton.jit
-def _interleave8(v0, v1, v2, v3, v4, v5, v6, v7):
-    """[..., k] x 8 -> [..., 8k + j] = v_j[..., k] (tl.interleave appends the lowest index bit)."""
-    x0 = tl.interleave(v0, v4)
-    x1 = tl.interleave(v2, v6)
-    x2 = tl.interleave(v1, v5)
-    x3 = tl.interleave(v3, v7)
-    return tl.interleave(tl.interleave(x0, x1), tl.interleave(x2, x3))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,11 +360,6 @@ def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE: tl.conste
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _tile_absmax(w):
     """max_32(|w|) of a (32, BT, 32) block: (BT,) (masked-out elements loaded as 0 are neutral).
     A NaN in a tile makes its maximum NaN, as torch's amax (tl.max would skip it)."""
@@ -426,26 +372,6 @@ def _tilemax_kernel(w_ptr, out_ptr, M, N, TN, BT: tl.constexpr):
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = _tile_absmax(w)
     tl.store(out_ptr + tidx, tmax, mask=ti < TN)
-
-
-@triton.jit
-def _add_rn(a, b, INTERPRET: tl.constexpr):
-    """a + b in float32, rounded on its own: never fused with the product before it into an FMA,
-    which the GPU compiler does to a plain `+` (the interpreter does not fuse)."""
-    if INTERPRET:
-        return a + b
-    return libdevice.add_rn(a, b)
-
-
-@triton.jit
-def _exp2(x, INTERPRET: tl.constexpr):
-    """2^x in float32 as torch computes it on CUDA: libdevice's exp2f, the CUDA math library's and
-    what Inductor emits for torch.exp2 (on sm_90 the same ex2.approx instruction as tl.exp2; the H200
-    test compares it with torch's bit for bit). The interpreter has no libdevice: numpy's exp2
-    there, which differs from torch's CPU exp2 in the last bit at times."""
-    if INTERPRET:
-        return tl.exp2(x)
-    return libdevice.exp2(x)
 
 
 @triton.jit
@@ -502,25 +428,11 @@ def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, db_ptr, seed_ptr, live_ptr, b_s
 # ----------------------------------------------------------------------------------------------
 # wrappers: launch configuration, then step (1), the tile maxima, step (2) and the backward
 
-def _noise_mode(method, fused):
-    """The NOISE code of `_noise_block` for a method and the fused flag."""
-    return NOISE_DENSE if method == "diffq" else (NOISE_FUSED if fused else NOISE_PACKED)
-
 
 def _f32(x):
     """A Python float rounded to float32, as torch rounds the scalar operand of a float32 tensor
     op (eq. 11's b_init − b_target in the grad kernel is one, e.g. 2.2)."""
     return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def _launch_config(kernel, mode, tiles):
-    """(BT, num_warps) of the apply or grad kernel (kernel "apply" | "grad") for a weight of
-    `tiles` tiles, from CONFIG."""
-    if mode != NOISE_FUSED:
-        return CONFIG[kernel + "_bt"], CONFIG[kernel + "_warps"]
-    if kernel == "grad" and tiles <= CONFIG["small_grad"][0]:
-        return CONFIG["small_grad"][1:]
-    return CONFIG["fused_" + kernel]
 
 
 def _generate_torch(m, n, seed, method):
@@ -698,10 +610,9 @@ def _pqn_setup_context(ctx, inputs, output):
 
 
 def _pqn_backward(ctx, g_w_hat, g_tmax, g_live):
-    # the op's and _PQNSample's backward: the grad op where is_compiling() is true (as in torch
-    # 2.13 while AOTAutograd traces a compiled backward), else the plain function, whose launches
-    # go through wrap_triton under a tracing mode (_launch); so a compiled backward is right
-    # either way, also with torch versions where is_compiling() is false there
+    # the op's and _PQNSample's backward: the grad op where is_compiling() is true (torch 2.13 while
+    # AOTAutograd traces a compiled backward), else the plain function, whose launches go through
+    # wrap_triton under a tracing mode (_launch): right either way, whatever is_compiling() says there
     tmax, seed, live = ctx.saved_tensors
     _check_recomputed_call(ctx.call, seed)
     if g_w_hat is None:                  # grads are not materialized: w_hat had none
@@ -710,8 +621,7 @@ def _pqn_backward(ctx, g_w_hat, g_tmax, g_live):
     return dw, db, None, None, None, None, None, None, None
 
 
-_pqn_sample_op, _pqn_grad_op = _register_sample_ops(_pqn_sample_impl, _pqn_grad_impl,
-                                                    _pqn_setup_context, _pqn_backward)
+_pqn_sample_op, _pqn_grad_op = _register_sample_ops(_pqn_sample_impl, _pqn_grad_impl, _pqn_setup_context, _pqn_backward)
 
 
 class _PQNSample(torch.autograd.Function):
@@ -763,7 +673,6 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     impl = _check_sample_args(w, b_t, method, impl, fused)
     seed = _seed_tensor(seed, w.device)
     _check_out_dtype(out_dtype)
-    # ∂L/∂b_t = 0 where b_t is clamped
     return _pqn_sample(w.contiguous(), b_t.contiguous(), seed, method, out_dtype, impl, fused, *_sample_bits())[0]
 
 
@@ -792,13 +701,6 @@ class _RecomputeLinear(torch.autograd.Function):
         dw, db = grad(g_w_hat, tmax, seed, live, method, w.dtype, b.dtype, impl, fused, b_scale)
         gb = gy2.sum(0) if has_bias else None
         return gx, dw, db, None, gb, None, None, None, None, None
-
-
-def _compute_dtype(x):
-    dev = x.device.type
-    if dev != "meta" and torch.is_autocast_enabled(dev):   # meta has no autocast (asking raises)
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
 
 
 def pqt_linear(x, w, b_t, bias, seed, method="gaussws", memory="save", impl="auto", fused=False):
@@ -909,8 +811,11 @@ class GaussWSLinear(nn.Linear):
         super().reset_parameters()
         if "b_i" in self._parameters:          # nn.Linear.__init__ calls this before b_i exists
             with torch.no_grad():
-                self.b_i.fill_(1.0)
-                self.noise_state.copy_(torch.tensor([self._key, 0], dtype=torch.int64))
+                self._reset_pqt_state()
+
+    def _reset_pqt_state(self):
+        self.b_i.fill_(1.0)
+        self.noise_state.copy_(torch.tensor([self._key, 0], dtype=torch.int64))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -923,8 +828,7 @@ class GaussWSLinear(nn.Linear):
                                       unexpected_keys, error_msgs)
         if plain:
             with torch.no_grad():
-                self.b_i.fill_(1.0)
-                self.noise_state.copy_(torch.tensor([self._key, 0], dtype=torch.int64))
+                self._reset_pqt_state()
             for k in ("b_i", "noise_state"):
                 if prefix + k in missing_keys:
                     missing_keys.remove(prefix + k)
@@ -977,28 +881,20 @@ def bitwidth_penalty(model):
     return torch.stack(terms).sum()
 
 
-# names that live in the sibling files built on this one (they import it, so it cannot import
-# them first): `from gaussws import apply_pqt` and `gaussws.cast_tiles` keep working
-_SIBLINGS = {
-    "pqt_surgery": ("apply_pqt", "remove_pqt", "GaussWSConv1D", "GPT2_PARTS", "LLAMA_PARTS", "ALL_PARTS",
-                    "HF_PARTS", "HEAD_NAMES", "_parse_parts", "_part_of", "_is_conv1d", "_linears",
-                    "_lm_head_ids", "_module_filter", "_few", "_format_of", "_hf_conv1d"),
-    "pqt_export": ("FP_TIERS", "fp_tier", "bitwidth_stats", "CAST_SWEEP", "cast_fp", "cast_tiles",
-                   "cast_to_tiers", "_tile_counts", "_stats", "_fp_limits", "_tile_grid_of"),
-    "pqt_baselines": ("_gen_diffq_torch", "_u16", "_diffq_offsets", "_gen_diffq_kernel", "_gen_bm_torch",
-                      "_bm_pair", "_bm_nib", "_gen_bm_kernel"),
-}
-_SIBLING_OF = {name: mod for mod, names in _SIBLINGS.items() for name in names}
+# names of the sibling files that callers import from here (`from gaussws import apply_pqt`), looked
+# up when asked for: the files built on this one import it, so it cannot import them first
+_SIBLING_OF = dict.fromkeys(("apply_pqt", "remove_pqt", "GaussWSConv1D", "ALL_PARTS", "GPT2_PARTS", "LLAMA_PARTS",
+                             "HF_PARTS", "HEAD_NAMES", "_parse_parts", "_format_of"), "pqt_surgery")
+_SIBLING_OF |= dict.fromkeys(("FP_TIERS", "fp_tier", "bitwidth_stats", "CAST_SWEEP", "cast_fp", "cast_tiles",
+                              "cast_to_tiers"), "pqt_export") | {"_diffq_offsets": "pqt_baselines"}
+_SIBLING_OF |= dict.fromkeys(("IMPLS", "W_DTYPES", "_SEED_CACHE", "_SEED_CACHE_SIZE"), "pqt_checks")
+_SIBLING_OF |= dict.fromkeys(("pack_noise", "bits_of_element"), "pqt_packing")
 
 
 def __getattr__(name):
     if name in _SIBLING_OF:
         return getattr(importlib.import_module(_SIBLING_OF[name]), name)
     raise AttributeError(f"module 'gaussws' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_SIBLING_OF))
 
 
 import pqt_baselines  # noqa: E402  (built on this module's Philox words: imported last)

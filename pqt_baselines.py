@@ -8,8 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gaussws import _cast, _interleave8, _philox_words, _philox_words_torch
+from gaussws import _cast, _philox_words, _philox_words_torch
 from pqt_packing import pack_noise
+from pqt_triton import _interleave8
 
 
 def _gen_diffq_torch(m, n, seed):

@@ -139,3 +139,11 @@ def _in_backward_pass():
         return False
     f = getattr(torch._C, "_current_graph_task_id", None)
     return f is not None and f() != -1
+
+
+def _compute_dtype(x):
+    """The dtype w_hat is made in: the autocast dtype where autocast is on (BF16 in training), else x's."""
+    dev = x.device.type
+    if dev != "meta" and torch.is_autocast_enabled(dev):   # meta has no autocast (asking raises)
+        return torch.get_autocast_dtype(dev)
+    return x.dtype

@@ -1,6 +1,7 @@
 """Packing of the noise R: sign-magnitude, 4 bits per element, 8 elements per int32 word (element j
 of a group in bits [4j, 4j+4)), as the eq. 10 recipe of gaussws.py leaves it. Plain PyTorch, no
-kernels; the kernels unpack in registers (`_noise_block` in gaussws.py).
+kernels; the kernels unpack in registers (`_noise_block` in gaussws.py). `bits_of_element` says
+which Philox bits an element's recipe reads.
 """
 import torch
 import torch.nn.functional as F
@@ -35,3 +36,11 @@ def unpack_noise(packed, n):
     nib = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
     r = (nib & 7) * (1 - 2 * (nib >> 3))
     return r.reshape(packed.shape[0], -1)[:, :n].to(torch.int8)
+
+
+def bits_of_element(r0, r1, r2, r3, j):
+    """The 16 bits b0..b15 (as one integer, b_i at bit i) that element j of a packed word uses,
+    gathered from the 4 Philox words as gaussws's `_recipe_torch` reads them (for tests)."""
+    nib = lambda r: (r >> (4 * j)) & 0xF
+    a, b, c, d = nib(r0), nib(r1), nib(r2), nib(r3)
+    return (a & 7) | (b << 3) | (c << 7) | (d << 11) | (((a >> 3) & 1) << 15)
