@@ -27,8 +27,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # kernels run by T
 
 
 def _noise_mode(method, fused):
-    """The NOISE code of `_noise_block` for a method and the fused flag."""
-    return NOISE_DENSE if method == "diffq" else (NOISE_FUSED if fused else NOISE_PACKED)
+    """The NOISE code of `_noise_block` for a method and the fused flag, as a plain int (the
+    kernels' constexpr argument)."""
+    return (NOISE_DENSE if method == "diffq" else (NOISE_FUSED if fused else NOISE_PACKED)).value
 
 
 def _launch_config(kernel, mode, tiles):
