@@ -1,0 +1,356 @@
+"""Model surgery for paper A: `apply_pqt` puts GaussWSLinear layers in place of a model's linear
+layers ("method[part]" of the paper's experiments; this repository's GPT and Hugging Face models),
+`remove_pqt` puts plain ones back (optionally cast to Table C formats), and `GaussWSConv1D` is the
+layer in Hugging Face GPT-2's Conv1D layout. Changes the model's modules in place; the sampling
+itself is gaussws.py's.
+"""
+import fnmatch
+import random
+import re
+
+import torch
+import torch.nn as nn
+
+from gaussws import GaussWSLinear, _check_bits, pqt_layers
+from pqt_checks import IMPLS, MEMORY_MODES, METHODS, _check_choice, _check_dtype, _check_fused, _check_module, _check_seed
+from pqt_export import cast_fp, cast_tiles, cast_to_tiers
+
+GPT2_PARTS = ("qkv", "out", "up", "down")
+LLAMA_PARTS = ("q", "k", "v", "out", "gate", "up", "down")
+ALL_PARTS = tuple(dict.fromkeys(GPT2_PARTS + LLAMA_PARTS))
+
+
+class GaussWSConv1D(GaussWSLinear):
+    """GaussWSLinear in the layout of Hugging Face's GPT-2 `Conv1D` (y = x @ weight + bias, weight
+    of shape (in, out), the transpose of nn.Linear's): `apply_pqt` puts it in place of a Conv1D.
+
+    It keeps Conv1D's weight Parameter as it is, so the state dict keeps Conv1D's keys and shapes
+    (a Hugging Face checkpoint loads into it and `remove_pqt` gives the Conv1D back), and samples
+    weight.t(), the (out, in) weight of the equivalent nn.Linear, with that linear's 32x32 tiles:
+    b_i has shape (ceil(out/32), ceil(in/32)) as in GaussWSLinear(in, out). Square tiles anchored
+    at (0, 0) are the same tiles in both layouts, so every tile holds the same weights; only the
+    order in which R is drawn over them differs. Arguments and errors as GaussWSLinear; made
+    directly, its weight is initialised as Conv1D does (N(0, 0.02²), bias 0).
+    """
+
+    def __init__(self, in_features, out_features, *args, **kwargs):
+        super().__init__(in_features, out_features, *args, **kwargs)
+        self.weight = nn.Parameter(self.weight.new_empty(in_features, out_features))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """As GaussWSLinear's (b_i = 1, noise_state = [key, 0]), with Conv1D's weight and bias."""
+        super().reset_parameters()
+        with torch.no_grad():
+            nn.init.normal_(self.weight, std=0.02)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def linear_weight(self):
+        return self.weight.t()    # the (out, in) view; pqt_linear copies it to a contiguous w
+
+    def extra_repr(self):
+        return super().extra_repr() + ", Conv1D layout (weight is (in, out))"
+
+
+# ==============================================================================================
+# apply_pqt: where PQT is applied ("method[part]" of paper A's experiments)
+
+# Hugging Face names of the papers' parts: Llama-style models (Llama, Mistral, Qwen, ...) and GPT-2
+# (Conv1D layers; c_proj is the attention's out projection or the MLP's down projection)
+HF_PARTS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "out", "gate_proj": "gate",
+            "up_proj": "up", "down_proj": "down", "c_attn": "qkv", "c_fc": "up",
+            "attn.c_proj": "out", "mlp.c_proj": "down"}
+
+
+def _parse_parts(parts):
+    """-> list of part names; "all" -> ALL_PARTS (every part this model kind has), "od" -> out, down;
+    a Hugging Face name (HF_PARTS) stands for its part."""
+    if not isinstance(parts, str):
+        raise TypeError(f"parts must be a string, got {type(parts).__name__}")
+    if parts == "all":
+        return list(ALL_PARTS)
+    if parts == "od":
+        return ["out", "down"]
+    given = [p.strip() for p in parts.split(",") if p.strip()]
+    bad = [p for p in given if p not in ALL_PARTS and p not in HF_PARTS]
+    if not given or bad:
+        aliases = ", ".join(f"{k}={v}" for k, v in HF_PARTS.items())
+        raise ValueError(f"parts={parts!r}: unknown part(s) {bad or [parts]}; allowed: 'all', 'od' "
+                         f"or a comma list of {', '.join(ALL_PARTS)} or their Hugging Face names "
+                         f"({aliases})")
+    return list(dict.fromkeys(HF_PARTS.get(p, p) for p in given))
+
+
+def _part_of(name):
+    """The paper's part name of a module called `name` (its own name here, its Hugging Face name
+    mapped by HF_PARTS), else None."""
+    path = name.split(".")
+    if path[-1] in ALL_PARTS:
+        return path[-1]
+    return HF_PARTS.get(path[-1]) or HF_PARTS.get(".".join(path[-2:]))
+
+
+def _is_conv1d(m):
+    # Hugging Face's transformers.pytorch_utils.Conv1D, recognised without importing transformers
+    return (type(m).__name__ == "Conv1D" and hasattr(m, "nf") and hasattr(m, "nx")
+            and isinstance(getattr(m, "weight", None), nn.Parameter)
+            and tuple(m.weight.shape) == (m.nx, m.nf))
+
+
+def _linears(model):
+    """(name, parent, attribute, module) of every nn.Linear (exactly: subclasses may not call their
+    own forward, e.g. nn.MultiheadAttention's out_proj) and Conv1D in `model`, each place a module
+    sits (a module shared by two parents is listed under both names), in module order (depth
+    first, as named_modules lists them)."""
+    found = []
+    for name, child in model.named_modules(remove_duplicate=False):
+        if name and (type(child) is nn.Linear or _is_conv1d(child)):
+            pname, _, cname = name.rpartition(".")
+            found.append((name, model.get_submodule(pname) if pname else model, cname, child))
+    return found
+
+
+# last names of a module that apply_pqt takes for an LM head: nanoGPT / Hugging Face, minGPT-style
+# `head`, Meta's Llama `output`, GPT-NeoX `embed_out`
+HEAD_NAMES = ("lm_head", "head", "output", "embed_out")
+
+
+def _lm_head_ids(model):
+    """ids of the modules apply_pqt treats as the LM head: a linear whose weight is an nn.Embedding's
+    weight (tied, e.g. Hugging Face tie_word_embeddings), the module of Hugging Face's
+    get_output_embeddings(), and any linear whose last name is in HEAD_NAMES."""
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    ids = {id(child) for name, _, _, child in _linears(model)
+           if id(child.weight) in emb or name.rsplit(".", 1)[-1] in HEAD_NAMES}
+    out = getattr(model, "get_output_embeddings", None)
+    head = out() if callable(out) else None
+    if isinstance(head, nn.Module):
+        ids.add(id(head))
+    return ids
+
+
+def _module_filter(modules):
+    """modules (a glob, a list of globs, or a callable (name, module) -> bool) -> (the callable,
+    the globs or None). The callable's errors name the module it was asked about."""
+    if callable(modules):
+        def keep(name, module):
+            try:
+                r = modules(name, module)
+            except Exception as err:
+                raise ValueError(f"apply_pqt: modules={modules!r} raised {type(err).__name__} on "
+                                 f"module {name!r}: {err}") from err
+            if not isinstance(r, bool):
+                raise TypeError(f"apply_pqt: modules={modules!r} returned {r!r} "
+                                f"({type(r).__name__}) for module {name!r}; it must return True or False")
+            return r
+        return keep, None
+    globs = [modules] if isinstance(modules, str) else modules
+    if not (isinstance(globs, (list, tuple)) and globs and all(isinstance(p, str) and p for p in globs)):
+        raise TypeError(f"modules={modules!r}: allowed: a glob on module names (e.g. "
+                        "'model.layers.*.mlp.*'), a non-empty list of globs, or a callable "
+                        "(name, module) -> bool")
+    return (lambda name, _: any(fnmatch.fnmatchcase(name, p) for p in globs)), list(globs)
+
+
+def _few(names, k=8):
+    return ", ".join(names[:k]) + (f", ... ({len(names)} in all)" if len(names) > k else "") or "none"
+
+
+def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0, memory="save",
+              impl="auto", fused=True, *, modules=None, lm_head=False):
+    """Replace linear layers of any nn.Module by GaussWSLinear (same weight and bias Parameters,
+    device, dtype and train/eval mode), in place; the torchao.quantize_ / QAT "prepare" step.
+
+    Which layers, by `parts` (the papers' "method[part]"; default "all") or by `modules`:
+      parts: "all" (every part the model has), "od" (out + down) or a comma list of
+        qkv,out,up,down (GPT-2) / q,k,v,out,gate,up,down (Llama). A layer's part is its own name
+        (this repository's GPT) or its Hugging Face name (HF_PARTS): q_proj, k_proj, v_proj,
+        o_proj, gate_proj, up_proj, down_proj (Llama-style) and c_attn, attn.c_proj, c_fc,
+        mlp.c_proj (GPT-2); the list may use these names too (parts="q_proj,o_proj"). Every part
+        named in a list (and both of "od") must exist.
+      modules: for any other model, a glob on the full module name (fnmatch: * also matches
+        dots; e.g. "model.layers.*.mlp.*"), a list of globs (each must match a linear), or a
+        callable (name, module) -> bool (True or False, else TypeError; an exception it raises
+        comes back as a ValueError naming the module); it is asked about every nn.Linear (and
+        Conv1D) of the model.
+    Only nn.Linear (exactly, not subclasses) and Hugging Face's GPT-2 Conv1D are replaced, the
+    latter by GaussWSConv1D (Conv1D's (in, out) weight, sampled with the equivalent nn.Linear's
+    tiles). Embeddings and norms are never sampled; the LM head (a linear whose weight is an
+    embedding's, i.e. tied; Hugging Face's get_output_embeddings(); a linear whose last name is
+    one of HEAD_NAMES: lm_head, head, output, embed_out) only with lm_head=True (a bool), which
+    adds it to `parts` or lets `modules` select it. A module at two places of the model, selected
+    at either, becomes one layer at both. b_i is float32 whatever the weight dtype (see
+    GaussWSLinear). b_init, b_target, seed, memory, impl, fused as in GaussWSLinear; layer seeds
+    come from random.Random(seed) in module order (§3.6 seed generator), continuing after the
+    GaussWSLinear layers the model already has, so a second call gives its layers other keys than
+    the first's. Returns the names of the replaced
+    modules ("blocks.0.attn.qkv", "model.layers.0.self_attn.q_proj", ...), in module order.
+    Everything is checked before the model is touched. Raises TypeError (model not an nn.Module,
+    seed, modules, lm_head or fused type, a callable's non-bool answer, float64 layers) or
+    ValueError (bad arguments; the model itself a linear layer; both parts and modules; a
+    named part the model has no linear for: the message lists the parts present; a filter that
+    selects no layer, or a glob of a list that matches none: the message lists the model's linears
+    and the nn.Linear subclasses it leaves alone)."""
+    _check_module(model, "apply_pqt")
+    if isinstance(model, nn.Linear) or _is_conv1d(model):
+        raise ValueError(f"apply_pqt: the model is itself a linear layer ({type(model).__name__}); apply_pqt "
+                         "replaces the layers inside a model: wrap it (nn.Sequential(layer)) or build a GaussWSLinear")
+    sharded = [n or "the model" for n, m in model.named_modules()
+               if any(c.__name__ == "FSDPModule" for c in type(m).__mro__)]
+    if sharded:   # fully_shard made their parameters DTensors and their classes FSDP subclasses
+        raise ValueError(f"apply_pqt: {_few(sharded)} already went through fully_shard; call apply_pqt "
+                         "first, then fully_shard (FSDP2 then gathers w and b_i for each layer's forward)")
+    _check_choice("method", method, METHODS)
+    _check_choice("memory", memory, MEMORY_MODES)
+    _check_choice("impl", impl, IMPLS)
+    _check_fused(fused, "apply_pqt")
+    _check_bits(b_init, b_target)
+    _check_seed(seed)
+    if parts is not None and modules is not None:
+        raise ValueError(f"apply_pqt: give parts={parts!r} or modules={modules!r}, not both")
+    if not isinstance(lm_head, bool):
+        raise TypeError(f"apply_pqt: lm_head={lm_head!r} must be True or False")
+    heads = _lm_head_ids(model)
+    cands = [c for c in _linears(model) if lm_head or id(c[3]) not in heads]
+    done = [n for n, _ in pqt_layers(model)]
+    already = f" (already GaussWSLinear: {_few(done)})" if done else ""
+    # nn.Linear subclasses are not replaced (their forward may not be nn.Linear's): say so when
+    # they are all a filter could have found
+    subs = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not isinstance(m, GaussWSLinear)]
+    subs = (f"; not replaced, being nn.Linear subclasses whose forward may differ: {_few(subs)}"
+            if subs else "")
+    if modules is None:
+        parts = "all" if parts is None else parts
+        wanted = _parse_parts(parts)
+        have = list(dict.fromkeys(p for p in map(_part_of, (c[0] for c in cands)) if p))
+        missing = [p for p in wanted if p not in have] if parts != "all" else ([] if have else wanted)
+        if missing:
+            other = [c[0] for c in cands if not _part_of(c[0])]
+            raise ValueError(f"apply_pqt(parts={parts!r}): no nn.Linear named {', '.join(missing)} "
+                             f"inside the model; the parts it has: {', '.join(have) or 'none'}{already}"
+                             + (f"; linears without a part name: {_few(other)}" if other else "") + subs
+                             + ("" if have else "; select other layers by name with modules="))
+        # lm_head=True adds the LM head, which has no part name, to the parts
+        found = [c for c in cands if _part_of(c[0]) in wanted or (lm_head and id(c[3]) in heads)]
+    else:
+        keep, globs = _module_filter(modules)
+        found = [c for c in cands if keep(c[0], c[3])]
+
+        def head_note():      # only for an error: the filter is asked about the head only then
+            skipped = [n for n, _, _, m in _linears(model) if id(m) in heads and not lm_head and keep(n, m)]
+            return f" but the LM head {_few(skipped)} (lm_head=True samples it)" if skipped else ""
+        if not found:
+            raise ValueError(f"apply_pqt(modules={modules!r}) selects no nn.Linear (only nn.Linear and "
+                             "Conv1D layers are sampled, never embeddings or norms)" + head_note()
+                             + f"; the model's linears: {_few([c[0] for c in cands])}{already}{subs}")
+        unmatched = [p for p in globs or () if not any(fnmatch.fnmatchcase(c[0], p) for c in cands)]
+        if unmatched:
+            raise ValueError(f"apply_pqt(modules={modules!r}): {', '.join(map(repr, unmatched))} "
+                             f"matches no linear{head_note()}; the model's linears: "
+                             f"{_few([c[0] for c in cands])}{already}{subs}")
+        # a module selected at one of its places is replaced at all of them (one layer, shared)
+        chosen = {id(c[3]) for c in found}
+        found = [c for c in cands if id(c[3]) in chosen]
+    for name, _, _, child in found:
+        _check_dtype(child.weight.dtype, f"{name}.weight")
+    rng = random.Random(seed)
+    # keys continue after the GaussWS layers already in the model (an earlier apply_pqt): a second
+    # call must not give its layers the keys of the first call's
+    for _ in {id(m) for _, m in pqt_layers(model)}:
+        rng.getrandbits(62)
+    new, replaced = {}, []
+    for name, parent, cname, child in found:
+        if id(child) not in new:
+            conv = _is_conv1d(child)
+            n_in, n_out = (child.nx, child.nf) if conv else (child.in_features, child.out_features)
+            layer = (GaussWSConv1D if conv else GaussWSLinear)(
+                n_in, n_out, bias=child.bias is not None, method=method, b_init=b_init,
+                b_target=b_target, seed=rng.getrandbits(62), memory=memory, impl=impl, fused=fused,
+                device=child.weight.device, dtype=child.weight.dtype)
+            layer.weight = child.weight
+            if child.bias is not None:
+                layer.bias = child.bias
+            layer.train(child.training)
+            layer._name, layer.plain_type = name, type(child)
+            new[id(child)] = layer
+            replaced.append(name)
+        setattr(parent, cname, new[id(child)])
+    return replaced
+
+
+# ==============================================================================================
+# remove_pqt: back to plain layers
+
+def _format_of(cast):
+    """remove_pqt's cast -> None, "tiers" or (exp_bits, man_bits); ValueError otherwise."""
+    if cast is None or cast == "tiers":
+        return cast
+    m = re.fullmatch(r"e(\d)m(\d+)", cast) if isinstance(cast, str) else None
+    if m is None:
+        raise ValueError(f"cast={cast!r}: allowed: None (weights as they are), 'tiers' (each tile "
+                         "to its Table C format) or an FP format 'e<exponent bits>m<mantissa bits>' "
+                         "such as 'e3m4' or 'e2m3'")
+    fmt = int(m.group(1)), int(m.group(2))
+    try:
+        cast_fp(torch.zeros(1), *fmt)      # the formats cast_fp (and so cast_tiles) takes
+    except ValueError as e:
+        raise ValueError(f"cast={cast!r}: {e}") from None
+    return fmt
+
+
+def _hf_conv1d():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        raise ImportError("remove_pqt: turning a GaussWSConv1D back into a Conv1D needs Hugging Face "
+                          "transformers (pip install transformers)") from None
+    return Conv1D
+
+
+@torch.no_grad()
+def remove_pqt(model, cast=None):
+    """Undo apply_pqt in place: every GaussWSLinear becomes a plain nn.Linear (a GaussWSConv1D the
+    Conv1D it replaced) holding the same weight and bias Parameters, without b_i and noise_state,
+    so the model and its state dict are used without this library (TorchAO's QAT "convert").
+    cast: None keeps the trained weights w; "tiers" first casts every tile of w to the Table C
+    format of its bitwidth (`cast_to_tiers`); "eXmY" (e.g. "e3m4", "e2m3", as the CAST_SWEEP of
+    the cast sweep) casts every tile to that FP format with its own power-of-two scale
+    (`cast_tiles`). The weights keep their dtype (float32 holds every cast value exactly). The model
+    keeps its train/eval mode; an optimizer made before still holds the removed b_i.
+    From a PQT checkpoint: build the model, apply_pqt with the same arguments, load_state_dict,
+    then remove_pqt; to export and keep training, call it on copy.deepcopy(model). Returns the
+    names of the layers replaced, in module order.
+    Raises TypeError (model not an nn.Module), ValueError (cast not one of those; a model
+    without GaussWSLinear layers)."""
+    _check_module(model, "remove_pqt")
+    fmt = _format_of(cast)
+    layers = pqt_layers(model)
+    if not layers or isinstance(model, GaussWSLinear):
+        raise ValueError(f"remove_pqt: model {type(model).__name__} has no GaussWSLinear layer"
+                         + (" inside it (it is one: put it in a module)" if layers else ""))
+    if fmt == "tiers":
+        cast_to_tiers(model)
+    elif fmt is not None:
+        for _, layer in layers:
+            w = layer.linear_weight()
+            w.copy_(cast_tiles(w, *fmt))
+    plain, removed = {}, []
+    for pname, parent in list(model.named_modules()):
+        for cname, child in list(parent._modules.items()):
+            if not isinstance(child, GaussWSLinear):
+                continue
+            if id(child) not in plain:
+                cls = getattr(child, "plain_type", None) or (_hf_conv1d() if isinstance(child, GaussWSConv1D)
+                                                             else nn.Linear)
+                with torch.device("meta"):       # no weights allocated: the layer's own go in
+                    p = (cls(child.out_features, child.in_features) if isinstance(child, GaussWSConv1D)
+                         else cls(child.in_features, child.out_features, bias=child.bias is not None))
+                p.weight = child.weight
+                p.bias = child.bias
+                p.train(child.training)
+                plain[id(child)] = p
+                removed.append(f"{pname}.{cname}" if pname else cname)
+            setattr(parent, cname, plain[id(child)])
+    return removed
