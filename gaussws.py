@@ -88,12 +88,13 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
-from philox import philox, philox_torch
+from philox import philox_words, philox_words_torch
+import pqt_baselines
 from pqt_checks import (GEN_METHODS, MEMORY_MODES, METHODS, _check_choice, _check_input, _check_layer_args, _check_layer_dtypes, _check_module, _check_noise, _check_out_dtype,
                         _check_sample_args, _check_seed, _check_shape, _check_tiles, _check_weight, _resolve_impl, _seed_tensor)
 from pqt_dispatch import _call_of, _check_recomputed_call, _compute_dtype, _launch, _layer_seed, _register_sample_ops
 from pqt_packing import _to_int32, unpack_noise
-from pqt_triton import (CONFIG, NOISE_DENSE, NOISE_FUSED, NOISE_PACKED, _INTERPRET, _add_rn, _exp2,
+from pqt_triton import (CONFIG, NOISE_DENSE, NOISE_FUSED, NOISE_PACKED, _INTERPRET, _add_rn, _cast, _exp2,
                         _interleave8, _launch_config, _max_nan, _noise_mode)
 from pqt_tiles import TILE, _broadcast_tiles, _tile_block, _tile_programs, tile_grid
 
@@ -113,7 +114,6 @@ NOISE_PROBS = {-2: P2, -1: P1, 0: P0, 1: P1, 2: P2}
 # (which see the unclamped eq. 11 value) still pull it back toward b_target, inside the range.
 B_MIN, B_MAX = 1.0, 24.0
 
-_M32 = 0xFFFFFFFF
 
 
 # ==============================================================================================
@@ -130,14 +130,6 @@ def noise_from_bits_reference(bits16):
     is1 = (b[11] | b[12]) & (b[13] | b[14]) & b[15]
     mag = torch.where(is2 == 1, 2, torch.where(is1 == 1, 1, 0))
     return torch.where(b[0] == 1, -mag, mag).to(torch.int8)
-
-
-def _philox_words_torch(seed, idx):
-    """4 random uint32 words (int64 tensors) for counters idx (int64) under seed=[key, counter]."""
-    key, ctr = seed[0], seed[1]
-    z = torch.zeros_like(idx)
-    return philox_torch(idx & _M32, (idx >> 32) & _M32, z + (ctr & _M32), z + ((ctr >> 32) & _M32),
-                        key & _M32, (key >> 32) & _M32)
 
 
 def _recipe_torch(r0, r1, r2, r3):
@@ -161,7 +153,7 @@ def _recipe_torch(r0, r1, r2, r3):
 def _gen_gaussws_torch(m, n, seed):
     n8 = -(-n // 8)
     idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
-    return _to_int32(_recipe_torch(*_philox_words_torch(seed, idx))).view(m, n8)
+    return _to_int32(_recipe_torch(*philox_words_torch(seed, idx))).view(m, n8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,41 +263,11 @@ def _bits_grad_torch(dpow2, live, b_scale, b_dtype):
 
 
 # ==============================================================================================
-# The Triton kernels, in the order of the reference above (`_cast` first: their float32 -> dtype)
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """float32 -> dtype with round-to-nearest-even. BF16 is rounded with integer ops (the GPU's
-    cvt.rn gives the same bits; Triton's interpreter would truncate), NaN stays NaN."""
-    if dtype == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        b = tl.where(x != x, 0x7FC0, b)
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    elif dtype == tl.float32:
-        return x
-    else:
-        return x.to(dtype)
-
+# The Triton kernels, in the order of the reference above (`_cast`, their float32 -> dtype, is in pqt_triton.py)
 
 # ----------------------------------------------------------------------------------------------
 # eq. 10: Philox4x32-10 words of packed word p (counter (p, call counter), key = the layer key),
 # then the recipe on them
-
-@triton.jit
-def _philox_words(seed_ptr, p):
-    """4 uint32 words for int32 counters p (word index) under seed = [key, counter] at seed_ptr:
-    the Triton twin of `_philox_words_torch`."""
-    key = tl.load(seed_ptr)
-    ctr = tl.load(seed_ptr + 1)
-    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    c0 = p.to(tl.uint32)
-    z = c0 * 0
-    c2 = z + (ctr & 0xFFFFFFFF).to(tl.uint32)
-    c3 = z + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    return philox(c0, z, c2, c3, k0, k1, 10)
-
 
 @triton.jit
 def _recipe(r0, r1, r2, r3):
@@ -326,7 +288,7 @@ def _recipe(r0, r1, r2, r3):
 @triton.jit
 def _packed_words(seed_ptr, p):
     """Packed GaussWS R for word indices p: Philox, then the recipe."""
-    r0, r1, r2, r3 = _philox_words(seed_ptr, p)
+    r0, r1, r2, r3 = philox_words(seed_ptr, p)
     return _recipe(r0, r1, r2, r3)
 
 
@@ -897,4 +859,3 @@ def __getattr__(name):
     raise AttributeError(f"module 'gaussws' has no attribute {name!r}")
 
 
-import pqt_baselines  # noqa: E402  (built on this module's Philox words: imported last)

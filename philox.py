@@ -58,3 +58,31 @@ def philox(c0, c1, c2, c3, k0, k1, n_rounds: tl.constexpr):
         k0 += 0x9E3779B9                        # W0
         k1 += 0xBB67AE85                        # W1
     return c0, c1, c2, c3
+
+
+# ----------------------------------------------------------------------------------------------
+# the words of one (key, counter) seed pair for a run of element counters (GaussWS's layout)
+
+def philox_words_torch(seed, idx):
+    """4 random uint32 words (int64 tensors) for counters idx (int64) under seed = [key, counter]
+    (an int64 tensor of 2): key -> (k0, k1), (idx, counter) -> (c0, c1, c2, c3), 32 bits each.
+    GaussWS's R (paper A eq. 10, one word per 8 elements) and its baselines' noise use this layout."""
+    key, ctr = seed[0], seed[1]
+    z = torch.zeros_like(idx)
+    return philox_torch(idx & _M32, (idx >> 32) & _M32, z + (ctr & _M32), z + ((ctr >> 32) & _M32),
+                        key & _M32, (key >> 32) & _M32)
+
+
+@triton.jit
+def philox_words(seed_ptr, p):
+    """4 uint32 words for int32 counters p (word index) under seed = [key, counter] at seed_ptr:
+    the Triton twin of `philox_words_torch` (Philox4x32-10)."""
+    key = tl.load(seed_ptr)
+    ctr = tl.load(seed_ptr + 1)
+    k0 = (key & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = p.to(tl.uint32)
+    z = c0 * 0
+    c2 = z + (ctr & 0xFFFFFFFF).to(tl.uint32)
+    c3 = z + ((ctr >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return philox(c0, z, c2, c3, k0, k1, 10)

@@ -1,23 +1,23 @@
 """The noise of paper A's baselines, torch reference then Triton kernel for each: DiffQ-style
 R ~ U(−0.5, 0.5) in BF16 (method "diffq": 2 B/element of temporary noise) and Box–Muller
 R = round(N(0,1)/2) packed like GaussWS's (method "bm", `generate_noise` only: the paper's kernel
-baseline). Both draw their random bits from the Philox words of gaussws.py (same key and counter
+baseline). Both draw their random bits from the Philox words of philox.py (same key and counter
 layout); `generate_noise` and the apply/grad kernels of gaussws.py call them.
 """
 import torch
 import triton
 import triton.language as tl
 
-from gaussws import _cast, _philox_words, _philox_words_torch
+from philox import philox_words, philox_words_torch
 from pqt_packing import pack_noise
-from pqt_triton import _interleave8
+from pqt_triton import _cast, _interleave8
 
 
 def _gen_diffq_torch(m, n, seed):
     """16 random bits per element -> U(-0.5, 0.5), exact in fp32, then BF16."""
     n8 = -(-n // 8)
     idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
-    r = _philox_words_torch(seed, idx)
+    r = philox_words_torch(seed, idx)
     h = torch.stack([(r[i // 2] >> (16 * (i % 2))) & 0xFFFF for i in range(8)], -1)  # (words, 8)
     u = (h.to(torch.float32) + 0.5) * 2.0 ** -16 - 0.5
     return u.to(torch.bfloat16).view(m, n8 * 8)[:, :n].contiguous()
@@ -45,7 +45,7 @@ def _diffq_offsets(pid, M, N, N8, BLOCK: tl.constexpr):
 @triton.jit
 def _gen_diffq_kernel(out_ptr, seed_ptr, M, N, N8, BLOCK: tl.constexpr):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    r0, r1, r2, r3 = _philox_words(seed_ptr, p)
+    r0, r1, r2, r3 = philox_words(seed_ptr, p)
     # element 8p + 2i + L takes the 16-bit half L of word r_i
     u = _interleave8(_u16(r0 & 0xFFFF), _u16(r0 >> 16), _u16(r1 & 0xFFFF), _u16(r1 >> 16),
                      _u16(r2 & 0xFFFF), _u16(r2 >> 16), _u16(r3 & 0xFFFF), _u16(r3 >> 16))
@@ -59,7 +59,7 @@ def _gen_bm_torch(m, n, seed):
     idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
     zs = []
     for a in range(2):
-        r = _philox_words_torch(seed, 2 * idx + a)
+        r = philox_words_torch(seed, 2 * idx + a)
         for j in range(2):
             u1 = (r[2 * j].to(torch.float32) + 1.0) * 2.0 ** -32
             u2 = r[2 * j + 1].to(torch.float32) * 2.0 ** -32
@@ -90,7 +90,7 @@ def _gen_bm_kernel(out_ptr, seed_ptr, n_words, BLOCK: tl.constexpr):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     packed = p.to(tl.uint32) * 0
     for a in tl.static_range(2):
-        r0, r1, r2, r3 = _philox_words(seed_ptr, 2 * p + a)
+        r0, r1, r2, r3 = philox_words(seed_ptr, 2 * p + a)
         z0, z1 = _bm_pair(r0, r1)
         z2, z3 = _bm_pair(r2, r3)
         packed = packed | (_bm_nib(z0) << (16 * a)) | (_bm_nib(z1) << (16 * a + 4))

@@ -75,3 +75,18 @@ def _exp2(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         return tl.exp2(x)
     return libdevice.exp2(x)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr):
+    """float32 -> dtype with round-to-nearest-even. BF16 is rounded with integer ops (the GPU's
+    cvt.rn gives the same bits; Triton's interpreter would truncate), NaN stays NaN."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        b = tl.where(x != x, 0x7FC0, b)
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif dtype == tl.float32:
+        return x
+    else:
+        return x.to(dtype)
