@@ -180,8 +180,9 @@ def build_optimizer(args, model, device_type):
     """The optimizer named by --optim. 4-bit presets are told which parameter is the LM head (its
     first moment switches RTN -> SR for the last 10 % of training, paper B section 4); with tied
     embeddings that parameter is the token embedding. --v_codebook / --v_rounding, when given,
-    replace the preset's second-moment codebook / rounding rule (checked by check_optimizer_flags). `args` may hold only the optimizer's flags (bench.py's): the
-    others take the parser's defaults (complete_args)."""
+    replace the preset's second-moment codebook / rounding rule (checked by check_optimizer_flags).
+    `args` may hold only the flags read here (bench.py builds such a Namespace): complete_args gives
+    every other flag the parser's default, so a caller never needs to list all of them."""
     args = complete_args(args)
     betas = (args.beta1, args.beta2)
     groups = param_groups(model, args.weight_decay, args.bits_wd)

@@ -1,6 +1,7 @@
 """train.py's checkpoints: ckpt.pt (atomic torch.save, plain and DDP runs) and the DCP folder ckpt
-(--fsdp), their loading and every check before a resume (out_dir, kind, flags, step). Reads and
-writes checkpoint files in --out_dir (and the --resume path); never log.jsonl."""
+(--fsdp), their loading, and every check of --out_dir and --resume before a run starts (a
+checkpoint in the way, its kind, its flags, its step). Reads and writes checkpoint files in --out_dir
+(and reads the --resume path); never log.jsonl."""
 
 import contextlib
 import json

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 
-
 @dataclass
 class Process:
     """This process: one of `world` under torchrun (ddp), or the only one; and its device."""

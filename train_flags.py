@@ -27,6 +27,7 @@ DEFAULT_LR = {"nano": 3e-3, "nano-llama": 3e-3, "tiny": 2e-3, "small": 1e-3, "mi
               "gpt-834m": 6e-4, "llama-130m": 2e-3, "llama-134m": 2e-3, "llama-1b": 3e-4,
               "llama-3b": 1.5e-4, "llama-70b-4l": 1e-4}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")   # torch.compile's
+
 # the first paragraph of train.py's docstring: --help's description
 DESCRIPTION = ("Train a GPT with optional pseudo-quantization training (GaussWS / DiffQ, paper A) and optional\n"
                "4-bit AdamW states (ZIP-SR / ZE-EDEN / TorchAO-style, paper B).")
