@@ -1,7 +1,7 @@
 """train.py's record of a run: RunLog (log.jsonl, the checkpoint calls, the progress bar and the
 summary), read_log, loss.png, and the SIGINT / SIGTERM handling that stops at a step boundary.
-Writes log.jsonl and loss.png in --out_dir (checkpoints through train_checkpoint); rank 0 only,
-except the collective DCP save."""
+Writes log.jsonl and loss.png in --out_dir, and the checkpoints through train_checkpoint (with
+--overwrite it first removes the old ones); rank 0 only, except the collective DCP save."""
 
 import json
 import math
