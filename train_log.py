@@ -1,0 +1,334 @@
+"""train.py's record of a run: RunLog (log.jsonl, the checkpoint calls, the progress bar and the
+summary), read_log, loss.png, and the SIGINT / SIGTERM handling that stops at a step boundary.
+Writes log.jsonl and loss.png in --out_dir, and the checkpoints through train_checkpoint (with
+--overwrite it first removes the old ones); rank 0 only, except the collective DCP save."""
+
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import threading
+import time
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from train_checkpoint import (CKPT_FORMAT, atomic_write, checkpoints_in, ckpt_path, run_config, save_checkpoint,
+                              save_dcp_checkpoint)
+from train_flags import tokens_per_step
+from train_util import RunError, say
+
+
+class Interrupts:
+    """SIGINT / SIGTERM during training: the handler only records the signal, and the loop asks
+    requested() at each step boundary, so the checkpoint is taken between steps. Under DDP the
+    flag is all-reduced (MAX, over gloo on the CPU: no device sync) so that every rank stops at the
+    same step. Further signals change nothing (torchrun passes a Ctrl-C on to its workers, which
+    already got it; kill -9 stops at once). restore() puts the previous handlers back. Handlers can
+    only be set from the main thread; elsewhere nothing is caught."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, proc):
+        self.proc, self.signum, self.old = proc, 0, {}
+        self.group = None
+        if proc.ddp and dist.get_backend() != "gloo":  # every rank creates it, in the same order
+            self.group = dist.new_group(backend="gloo")
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self.old[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = self.signum or signum
+
+    def requested(self):
+        """The signal number if any rank received one (0: none); a collective call under DDP."""
+        if not self.proc.ddp:
+            return self.signum
+        flag = torch.tensor([self.signum])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag)
+
+    def restore(self):
+        for s, handler in self.old.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        self.old = {}
+
+
+def resume_command(argv, proc, drop_stop=False):
+    """The command line that continues this run: argv without --resume [PATH] / --overwrite (and
+    with drop_stop, without --stop_after N), plus --resume (under torchrun, the torchrun launch)."""
+    kept, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("-")  # its PATH
+        elif drop_stop and a == "--stop_after":
+            skip = True
+        elif not (a.startswith("--resume=") or a == "--overwrite" or (drop_stop and a.startswith("--stop_after="))):
+            kept.append(a)
+    launch = (f"torchrun --standalone --nproc_per_node {proc.world} train.py" if proc.ddp else "python train.py")
+    return " ".join([launch, shlex.join(kept), "--resume"] if kept else [launch, "--resume"])
+
+
+def peak_memory_mb(device_type):
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    except Exception:
+        return float("nan")
+
+
+def optimizer_state_bytes(opt):
+    """Bytes this process holds in optimizer state tensors (opt.state_nbytes() when the optimizer
+    has it; under FSDP2 the local shards of DTensor states); the scalar step counters are not
+    counted, as in AdamW4bit.state_nbytes()."""
+    if hasattr(opt, "state_nbytes"):
+        return int(opt.state_nbytes())
+    local = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()]
+    return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v) and v.dim() > 0)
+
+
+class RunLog:
+    """OUT_DIR/log.jsonl, OUT_DIR/ckpt.pt and the progress bar of one run; only rank 0 writes.
+
+    log.jsonl holds one record per step ({"type": "step", ...}), per eval ("eval"), a diverged
+    step ("error") and a final "summary". A resumed run keeps the records up to its checkpoint
+    (a crashed tail and the old summary are dropped), so the log always covers the whole run."""
+
+    def __init__(self, args, proc, start_iter, best_val):
+        self.args, self.proc, self.start_iter = args, proc, start_iter
+        self.path = os.path.join(args.out_dir, "log.jsonl")
+        self.ckpt_path = ckpt_path(args)
+        self.file, kept = None, []
+        if proc.master:
+            os.makedirs(args.out_dir, exist_ok=True)
+            if args.resume:
+                kept = [r for r in read_log(self.path) if (r.get("type") == "step" and r["iter"] < start_iter)
+                        or (r.get("type") == "eval" and r["iter"] <= start_iter)]
+                # a kill during the rewrite leaves the old log whole
+                atomic_write(self.path, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept), "w")
+            else:  # --overwrite: no old checkpoint, of either kind, may resume the new log
+                for p in checkpoints_in(args.out_dir):
+                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+            self.file = open(self.path, "a" if args.resume else "w")
+        self.bar = tqdm(total=args.max_iters, initial=start_iter, disable=not proc.master, dynamic_ncols=True,
+                        mininterval=0.5, desc="train")
+        old = [r["val_loss"] for r in kept if r.get("type") == "eval"]  # a resumed run's earlier evals
+        self.first_val, self.last_val = (old[0], old[-1]) if old else (None, None)
+        self.n_evals = len(old)
+        self.best_val = best_val
+        self.pending, self.step_times, self.recent_losses = None, [], []
+        self.last_ckpt = start_iter if args.resume else None
+        self.t_ref = time.time()  # start of the step being timed
+        self.t_start = time.time()
+
+    def write(self, rec):
+        if self.file:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+
+    def step(self, it, lr, stats):
+        """Log step `it`; stats: loss, grad norm[, mean b_t] on the device. On CUDA the numbers
+        are copied to pinned memory without blocking and read after the next step is queued: a
+        plain .item() would wait for everything queued so far and leave the GPU idle while the
+        CPU prepares the next step."""
+        if self.proc.device_type != "cuda":
+            self.pending = (it, stats, None, lr)
+            self.flush()
+            return
+        host = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+        host.copy_(stats, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.flush()
+        self.pending = (it, host, event, lr)
+
+    def flush(self):
+        """Read back the pending step's numbers (waits for the device) and log them. RunError when
+        the loss or grad norm is not finite; the last checkpoint is left as it is."""
+        if self.pending is None:
+            return
+        it, stats, event, lr = self.pending
+        self.pending = None
+        if event is not None:
+            event.synchronize()  # waits for this step's numbers only, not for the step queued after it
+        vals = stats.tolist()
+        loss, gnorm = vals[0], vals[1]
+        now = time.time()
+        dt, self.t_ref = now - self.t_ref, now
+        if not (math.isfinite(loss) and math.isfinite(gnorm)):
+            msg = (f"loss {loss} / grad norm {gnorm} at step {it}: training diverged, stopping. "
+                   + (f"The last good checkpoint {self.ckpt_path} (step {self.last_ckpt}) is left intact."
+                      if self.last_ckpt is not None else "No checkpoint was written yet."))
+            self.write({"type": "error", "iter": it, "message": msg})
+            raise RunError(msg)
+        self.step_times.append(dt)
+        self.recent_losses.append(loss)
+        n = tokens_per_step(self.args)
+        rec = {"type": "step", "iter": it, "loss": loss, "lr": lr, "grad_norm": gnorm,
+               "tokens_per_s": n / dt, "dt_ms": dt * 1000, "peak_mem_mb": peak_memory_mb(self.proc.device_type)}
+        if len(vals) > 2:
+            rec["b_t_mean"] = vals[2]
+        self.write(rec)
+        self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{n / dt:,.0f}", lr=f"{lr:.2e}", refresh=False)
+
+    def eval(self, it, val, bits=None):
+        """Log validation loss `val` at step `it`, with the mean training loss since the last eval
+        and, under PQT, the bitwidth statistics `bits`."""
+        self.first_val = val if self.first_val is None else self.first_val
+        self.last_val, self.best_val = val, min(self.best_val, val)
+        self.n_evals += 1
+        train_loss = float(np.mean(self.recent_losses)) if self.recent_losses else None
+        self.recent_losses.clear()
+        rec = {"type": "eval", "iter": it, "val_loss": val, "train_loss": train_loss,
+               "time_s": time.time() - self.t_start}
+        if bits is not None:
+            rec["bits"] = bits
+        self.write(rec)
+        if self.proc.master:
+            tl = f"{train_loss:.4f}" if train_loss is not None else "-"
+            self.bar.write(f"step {it}: val loss {val:.4f}, train loss {tl}")
+
+    def checkpoint(self, it, model, optimizer):
+        """ckpt.pt for step `it` (next step to run), written atomically by rank 0; under --fsdp the
+        DCP folder ckpt, written by every rank (save_dcp_checkpoint). RunError (one line, the
+        reason) when it cannot be written (disk full, ...); the previous one is kept."""
+        meta = {"format": CKPT_FORMAT, "iter_num": it, "best_val_loss": self.best_val,
+                "config": run_config(self.args), "model_config": asdict(model.config),
+                # the training data order is a pure function of (seed, rank, step, micro-step)
+                "data_rng": {"scheme": "numpy default_rng([seed, step, global micro-batch])",
+                             "seed": self.args.seed, "next_step": it}}
+        rng = {"torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state() if self.proc.device_type == "cuda" else None}
+        if self.proc.master or self.args.fsdp:
+            try:
+                if self.args.fsdp:
+                    save_dcp_checkpoint(self.ckpt_path, meta, model, optimizer, rng, self.proc.master)
+                else:
+                    save_checkpoint(self.ckpt_path, dict(meta, model=model.state_dict(),
+                                                         optimizer=optimizer.state_dict(), rng=rng))
+            except (OSError, RuntimeError) as e:  # torch.save reports some write errors as RuntimeError
+                reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0][:200]
+                kept = (f"{self.ckpt_path} (step {self.last_ckpt}) is left intact" if self.last_ckpt is not None
+                        else "no checkpoint was written")
+                raise RunError(f"--out_dir {self.args.out_dir}: cannot write the checkpoint for step {it} "
+                               f"({reason}); {kept}") from None
+        self.last_ckpt = it
+
+    def interrupted(self, signum, it, model, optimizer, group, resume_cmd):
+        """Stop at step `it` after a signal: checkpoint (unless one is there), close the log, print
+        the command that continues, exit with status 128 + signum (130 for SIGINT, 143 for SIGTERM)."""
+        self.flush()
+        if self.last_ckpt != it:
+            self.checkpoint(it, model, optimizer)
+        if self.proc.ddp:  # no rank exits before rank 0 has written the checkpoint
+            dist.barrier(group=group)
+        self.bar.close()
+        if self.file:
+            self.file.close()
+        say(f"{signal.Signals(signum).name}: stopped at step {it} with a checkpoint in {self.ckpt_path}; "
+            f"continue with: {resume_cmd}")
+        raise SystemExit(128 + signum)
+
+    def finish(self, it, model, optimizer, b_t_mean=None, go_on=None):
+        """Log and print the summary of a run that stopped before step `it` (and, when it stopped
+        at --stop_after, the command `go_on` that continues it); loss.png; returns the summary."""
+        args, elapsed = self.args, time.time() - self.t_start
+        warm = self.step_times[min(len(self.step_times) - 1, 5):] if self.step_times else []  # skip compile/warmup
+        summary = {"type": "summary", "iters": it, "max_iters": args.max_iters, "start_iter": self.start_iter,
+                   "tokens": (it - self.start_iter) * tokens_per_step(args), "time_s": elapsed,
+                   "tokens_per_s": tokens_per_step(args) / float(np.median(warm)) if warm else None,
+                   "first_val_loss": self.first_val, "final_val_loss": self.last_val,
+                   "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
+                   "peak_mem_mb": peak_memory_mb(self.proc.device_type),
+                   "optimizer_state_mb": optimizer_state_bytes(optimizer) / 2**20,
+                   "params": model.num_params(), "preset": args.preset, "method": args.method, "optim": args.optim,
+                   "world": self.proc.world, "checkpoint": self.ckpt_path if self.last_ckpt is not None else None}
+        if b_t_mean is not None:
+            summary["b_t_mean"] = b_t_mean
+        self.write(summary)
+        if not self.proc.master:
+            return summary
+        # first -> last over this log's evals (a resume into another --out_dir has only its own)
+        val = ""
+        if self.n_evals == 1:
+            val = f"val loss {self.last_val:.4f}, "
+        elif self.n_evals > 1:
+            val = f"val loss {self.first_val:.4f} -> {self.last_val:.4f}, "
+        say(f"done: {it - self.start_iter} steps" + (f" (resumed at step {self.start_iter})" if self.start_iter else "")
+            + f" in {elapsed:.1f}s, "
+            + (f"{summary['tokens_per_s']:,.0f} tokens/s (median), " if summary["tokens_per_s"] else "")
+            + val
+            + f"peak memory {summary['peak_mem_mb']:,.0f} MiB, optimizer state {summary['optimizer_state_mb']:.2f} MiB"
+            + (" per process" if self.proc.world > 1 else "")
+            + (f", mean b_t {b_t_mean:.3f}" if b_t_mean is not None else ""))
+        say(f"checkpoint {self.ckpt_path}, log {self.path}")
+        if go_on:
+            say(f"stopped at --stop_after {it} of {args.max_iters} steps; continue with: {go_on}")
+        if args.plot:
+            say(plot_losses(self.path, os.path.join(args.out_dir, "loss.png")))
+        self.file.close()
+        return summary
+
+
+def read_log(path):
+    """Records of a log.jsonl (list of dicts; [] when the file is missing). A last line that is not
+    JSON (a kill mid-append) is skipped with a note; such a line elsewhere is a RunError naming the
+    file and line."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for n, line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n != lines[-1][0]:
+                raise RunError(f"{path} line {n} is not a JSON record ({e.msg}); fix or delete that line") from None
+            say(f"{path}: skipped its last line {n}, cut off mid-write ({e.msg})")
+            continue
+        if not (isinstance(r, dict) and isinstance(r.get("type"), str)
+                and (r["type"] not in ("step", "eval") or isinstance(r.get("iter"), int))):
+            raise RunError(f"{path} line {n} is not a record of this trainer (a JSON object with a \"type\", "
+                           f"and an integer \"iter\" for steps and evals); fix or delete that line")
+        records.append(r)
+    return records
+
+
+def plot_losses(log_path, png_path):
+    """loss.png from log.jsonl (train loss per step, val loss per eval); returns a note string."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: no loss.png (pip install matplotlib)"
+    steps, evals = [], []
+    for r in read_log(log_path):
+        if r.get("type") == "step":
+            steps.append((r["iter"], r["loss"]))
+        elif r.get("type") == "eval":
+            evals.append((r["iter"], r["val_loss"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if steps:
+        ax.plot(*zip(*steps), lw=0.6, alpha=0.6, label="train (per step)")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return f"wrote {png_path}"
