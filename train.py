@@ -58,7 +58,7 @@ from train_dist import (Process, clip_grad_norm_local, fsdp_micro_step, setup_di
                         unsharded)
 from train_flags import (COMPILE_MODES, DEFAULT_LR, DESCRIPTION, FOURBIT, METHODS, OPTIMS, SCHEDULES,  # noqa: F401
                          OneLineParser, build_parser, check_fsdp_flags, check_optimizer_flags, check_range,
-                         complete_args, end_iter, optimizer_overrides, parse_args, resolve_args, say_ignored_flags,
+                         end_iter, optimizer_overrides, parse_args, resolve_args, say_ignored_flags,
                          tokens_per_step, unread_flags)
 from train_log import (Interrupts, RunLog, optimizer_state_bytes, peak_memory_mb, plot_losses, read_log,  # noqa: F401
                        resume_command)
@@ -181,9 +181,8 @@ def build_optimizer(args, model, device_type):
     first moment switches RTN -> SR for the last 10 % of training, paper B section 4); with tied
     embeddings that parameter is the token embedding. --v_codebook / --v_rounding, when given,
     replace the preset's second-moment codebook / rounding rule (checked by check_optimizer_flags).
-    `args` may hold only the flags read here (bench.py builds such a Namespace): complete_args gives
-    every other flag the parser's default, so a caller never needs to list all of them."""
-    args = complete_args(args)
+    `args` is a complete train.py Namespace (code that sets a few flags by hand starts from
+    build_parser().parse_args([]), as bench_training.py does)."""
     betas = (args.beta1, args.beta2)
     groups = param_groups(model, args.weight_decay, args.bits_wd)
     if args.optim == "adamw":

@@ -160,13 +160,6 @@ def parse_args(argv=None):
     return parser, args
 
 
-def complete_args(args):
-    """A copy of the Namespace `args` with every train.py flag it lacks set to the parser's
-    default: code that builds a Namespace of a few flags by hand (bench.py's optimizer timings)
-    gets the values train.py would use for the others. A full Namespace comes back unchanged."""
-    return argparse.Namespace(**{**vars(build_parser().parse_args([])), **vars(args)})
-
-
 def check_range(parser, name, value, lo=-math.inf, hi=math.inf, lo_in=True, hi_in=True):
     """parser.error (one line, exit 2) unless value is None or finite and within lo..hi
     (bounds included unless lo_in/hi_in is False)."""
