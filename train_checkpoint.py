@@ -13,6 +13,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+import runlock
 from train_flags import end_iter, unread_flags
 from train_util import RunError, say
 
@@ -43,10 +44,52 @@ def check_resume_config(saved, current, path):
                        f"Use the same flags, or a new --out_dir to start over.")
 
 
+def lock_out_dir(args, proc):
+    """Rank 0 takes --out_dir's lock (OUT_DIR/.lock, runlock.FileLock) for the run's lifetime and
+    returns it (None on other ranks); release() it on the way out (the OS releases it anyway when the
+    process dies). RunError naming the holder when another live run has it; a note left by a run that
+    was killed is reported and the lock taken over."""
+    if not proc.master:
+        return None
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"--out_dir {args.out_dir}: cannot create it ({e.strerror or e})") from None
+    lock = runlock.FileLock(os.path.join(args.out_dir, ".lock"))
+    try:
+        stale = lock.acquire(wait=False)
+    except runlock.Locked as e:
+        raise RunError(f"--out_dir {args.out_dir} is in use by another run ({runlock.describe(e.holder)}): "
+                       f"wait for it to end, or give this run another --out_dir") from None
+    except OSError as e:
+        raise RunError(f"--out_dir {args.out_dir}: cannot lock it ({e.strerror or e})") from None
+    if stale:
+        say(f"--out_dir {args.out_dir}: the run that held it ({runlock.describe(stale)}) ended without "
+            f"releasing it (killed?); its last checkpoint is intact")
+    return lock
+
+
+def _inside(path, folder):
+    return os.path.commonpath([os.path.realpath(path), os.path.realpath(folder)]) == os.path.realpath(folder)
+
+
 def check_out_dir(args, proc):
     """RunError (one line) before any data or model: a fresh run would replace a checkpoint of either
-    kind in --out_dir (without --overwrite), or --out_dir cannot be created or written (with the reason)."""
+    kind in --out_dir (without --overwrite); --resume PATH from another folder would continue into an
+    --out_dir holding another run's checkpoint or log.jsonl (without --overwrite), or --overwrite would
+    remove the checkpoint --resume loads; --out_dir cannot be created or written (with the reason)."""
     found = checkpoints_in(args.out_dir)
+    if args.resume and args.overwrite and (args.resume == "auto" or _inside(resume_path(args), args.out_dir)):
+        raise RunError(f"--overwrite with --resume {args.resume}: it would remove the checkpoint it resumes; "
+                       f"drop --overwrite to continue the run in --out_dir {args.out_dir}")
+    if args.resume and args.resume != "auto" and not args.overwrite and not _inside(resume_path(args), args.out_dir):
+        log = os.path.join(args.out_dir, "log.jsonl")
+        theirs = found + ([log] if os.path.exists(log) else [])
+        if theirs:
+            raise RunError(f"--out_dir {args.out_dir} holds another run's {'checkpoint' if found else 'log'} "
+                           f"({theirs[0]}): continuing {resume_path(args)} there would replace it and mix the two "
+                           f"runs' log.jsonl; give the continuation an --out_dir of its own, or add --overwrite "
+                           f"to replace what is there")
     if not args.resume and not args.overwrite and found:
         if found == [os.path.join(args.out_dir, "ckpt.tmp")] and not dcp_complete(found[0]):
             raise RunError(f"--out_dir {args.out_dir} holds only {found[0]}, an FSDP2 checkpoint whose writing "

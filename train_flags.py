@@ -133,8 +133,9 @@ def build_parser():
                         "torch.distributed.checkpoint folders (OUT_DIR/ckpt), which resume on any number of ranks "
                         "dividing --grad_accum")
     g.add_argument("--out_dir", default="out",
-                   help="checkpoint, log.jsonl and loss.png go here; Ctrl-C or SIGTERM saves a checkpoint "
-                        "at the next step boundary")
+                   help="checkpoint, log.jsonl and loss.png go here; one run at a time (a second run into it "
+                        "is refused while the first lives); Ctrl-C or SIGTERM saves a checkpoint at the next step "
+                        "boundary, a second one exits at once")
     g.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue from OUT_DIR/ckpt.pt (--fsdp: the folder OUT_DIR/ckpt), or from the given "
                         "checkpoint or out_dir (the run then writes "
@@ -142,7 +143,8 @@ def build_parser():
                         "--tokens_per_param / --stop_after may change, and the flags that leave the numbers alone "
                         "(eval, compile, device, threads); every other flag must match")
     g.add_argument("--overwrite", action="store_true",
-                   help="start a fresh run in an --out_dir that holds a checkpoint, replacing it and log.jsonl")
+                   help="start a fresh run in an --out_dir that holds a checkpoint, replacing it and log.jsonl "
+                        "(with --resume PATH from another folder: continue that run here, replacing them)")
     g.add_argument("--plot", default=True, action=argparse.BooleanOptionalAction,
                    help="write loss.png at the end (needs matplotlib)")
     return p
@@ -216,7 +218,7 @@ def resolve_args(args, parser, cuda):
     if not args.compile and args.compile_mode != "default":
         parser.error(f"--compile_mode {args.compile_mode} without compiling (--no-compile, or the CPU default): "
                      "add --compile or drop --compile_mode")
-    if args.overwrite and args.resume:
+    if args.overwrite and args.resume == "auto":
         parser.error("--overwrite and --resume: give one of them (--overwrite starts over, --resume continues)")
     if args.schedule == "wsd" and args.warmup_frac + args.cooldown_frac > 1:
         parser.error(f"--warmup_frac {args.warmup_frac:g} + --cooldown_frac {args.cooldown_frac:g} > 1: "

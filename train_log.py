@@ -9,6 +9,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import threading
 import time
 from dataclasses import asdict
@@ -18,33 +19,69 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from train_checkpoint import (CKPT_FORMAT, atomic_write, checkpoints_in, ckpt_path, run_config, save_checkpoint,
-                              save_dcp_checkpoint)
+from train_checkpoint import (CKPT_FORMAT, atomic_write, checkpoints_in, ckpt_path, resume_path, run_config,
+                              save_checkpoint, save_dcp_checkpoint)
 from train_flags import tokens_per_step
 from train_util import RunError, say
 
 
 class Interrupts:
-    """SIGINT / SIGTERM during training: the handler only records the signal, and the loop asks
-    requested() at each step boundary, so the checkpoint is taken between steps. Under DDP the
-    flag is all-reduced (MAX, over gloo on the CPU: no device sync) so that every rank stops at the
-    same step. Further signals change nothing (torchrun passes a Ctrl-C on to its workers, which
-    already got it; kill -9 stops at once). restore() puts the previous handlers back. Handlers can
-    only be set from the main thread; elsewhere nothing is caught."""
+    """SIGINT / SIGTERM during training. The first one asks for a checkpoint at the next step
+    boundary: the handler only records the signal, and the loop asks requested() at each step
+    boundary. Under DDP the flag is all-reduced (MAX, over gloo on the CPU: no device sync) so that
+    every rank stops at the same step. A second signal, ECHO_S seconds or more after the first,
+    exits at once with status 128 + its number (the last checkpoint is intact: checkpoints are
+    replaced atomically); one sooner is taken for the same Ctrl-C passed on again (torchrun
+    forwards it to workers that already got it).
+
+    A Python handler runs only between bytecodes of the main thread, so a step stuck in one long
+    op (a huge --block_size) would delay both: the signals are therefore also read from
+    signal.set_wakeup_fd by a watcher thread, which the C-level handler wakes at once. restore()
+    puts the previous handlers back. Handlers can only be set from the main thread; elsewhere
+    nothing is caught."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    ECHO_S = 2.0
 
     def __init__(self, proc):
         self.proc, self.signum, self.old = proc, 0, {}
-        self.group = None
+        self.group, self.first, self.wake = None, None, None
         if proc.ddp and dist.get_backend() != "gloo":  # every rank creates it, in the same order
             self.group = dist.new_group(backend="gloo")
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self.old[s] = signal.signal(s, self._handle)
+            r, w = socket.socketpair()
+            w.setblocking(False)
+            self.old_fd = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+            self.wake = (r, w)
+            threading.Thread(target=self._watch, args=(r,), daemon=True, name="train-signals").start()
 
     def _handle(self, signum, frame):
-        self.signum = self.signum or signum
+        pass   # only replaces the default action: the watcher, woken by the same signal, counts it
+
+    def _seen(self, signum):
+        now = time.monotonic()
+        if self.first is None:
+            self.first, self.signum = now, signum
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping at the next step boundary with a checkpoint "
+                        f"(again to exit at once)\n".encode())
+        elif now - self.first >= self.ECHO_S:
+            os.write(2, f"\n{signal.Signals(signum).name} again: exiting now, without a new checkpoint (the last "
+                        f"one is intact)\n".encode())
+            os._exit(128 + signum)
+
+    def _watch(self, r):
+        while True:
+            try:
+                data = r.recv(64)
+            except OSError:
+                return
+            if not data:   # restore() closed the pair
+                return
+            for signum in data:
+                if signum in self.SIGNALS:
+                    self._seen(signum)
 
     def requested(self):
         """The signal number if any rank received one (0: none); a collective call under DDP."""
@@ -58,6 +95,11 @@ class Interrupts:
         for s, handler in self.old.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
         self.old = {}
+        if self.wake is not None:
+            signal.set_wakeup_fd(self.old_fd)
+            for sock in self.wake:
+                sock.close()
+            self.wake = None
 
 
 def resume_command(argv, proc, drop_stop=False):
@@ -111,14 +153,17 @@ class RunLog:
         self.file, kept = None, []
         if proc.master:
             os.makedirs(args.out_dir, exist_ok=True)
+            if not args.resume or args.overwrite:  # no old checkpoint, of either kind, may resume the new log
+                for p in checkpoints_in(args.out_dir):
+                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
             if args.resume:
-                kept = [r for r in read_log(self.path) if (r.get("type") == "step" and r["iter"] < start_iter)
+                # the run's records up to its checkpoint, from the log beside the checkpoint resumed
+                # (this --out_dir's, or that of --resume PATH in another folder)
+                source = os.path.join(os.path.dirname(os.path.abspath(resume_path(args))), "log.jsonl")
+                kept = [r for r in read_log(source) if (r.get("type") == "step" and r["iter"] < start_iter)
                         or (r.get("type") == "eval" and r["iter"] <= start_iter)]
                 # a kill during the rewrite leaves the old log whole
                 atomic_write(self.path, lambda f: f.writelines(json.dumps(r) + "\n" for r in kept), "w")
-            else:  # --overwrite: no old checkpoint, of either kind, may resume the new log
-                for p in checkpoints_in(args.out_dir):
-                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
             self.file = open(self.path, "a" if args.resume else "w")
         self.bar = tqdm(total=args.max_iters, initial=start_iter, disable=not proc.master, dynamic_ncols=True,
                         mininterval=0.5, desc="train")
