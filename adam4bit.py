@@ -3,9 +3,10 @@ AdamW with 4-bit optimizer states (paper B): ZIP-SR and ZE-EDEN, the TorchAO-sty
 plain FP32 AdamW in one torch.optim.Optimizer, `AdamW4bit`.
 
 The file reads top to bottom: the math (below), the block quantizer, the reference step in plain
-PyTorch, the presets, the optimizer class, then the fused Triton kernel that does the same step,
-its helpers and its wrapper. The reference step and the kernel use the same names and mark the
-same lines with the tags below ("eq. 2.1a" etc.: the paper section or definition they come from).
+PyTorch, the presets, the optimizer class, then the fused Triton kernel that does the same step
+(same bits given the same SR uniforms), its helpers and its wrapper. The reference step and the
+kernel use the same names and mark the same lines with the tags below ("eq. 2.1a" etc.: the paper
+section or definition they come from).
 
 AdamW with update-before-storage (paper B, Sec. 2.1): the step decodes the stored moments Q(.),
 forms the working moments, updates the parameter with them (unquantized), then stores them:
@@ -48,28 +49,20 @@ weight w_t is written back in the parameter's dtype by param_write.py (BF16: rou
 even or stochastic rounding, `param_rounding`; or the 24-bit master weight of eq. MW,
 `master_weight_bits=24`, an int8 correction per weight that the step reads back).
 
-Non-finite gradients: a NaN or Inf gradient element poisons its whole block of block_size
-elements, where torch.optim.AdamW poisons only that element. At its step t only that parameter
-becomes NaN (the update uses the unquantized moments, like torch's AdamW), but the block's
-absmax, and so its stored scales, become NaN (a NaN gradient) or Inf (an Inf one; v's scale NaN
-with EDEN): from step t + 1 every moment of the block decodes to NaN or Inf and all block_size
-parameters of the block are NaN, for good; the other blocks stay finite. The reference and the
-kernel behave alike. Keeping it to the element would need a NaN-aware block max (an extra
-instruction per element in the kernel's inner loop) and a block scale other than the authors'
-absmax. A non-finite gradient needs the caller's check: train.py stops on a non-finite loss or
-gradient norm.
-
-impl="torch" runs the reference step (adamw4bit_step_torch), impl="triton" the fused kernel
-(adamw4bit_step_triton; CUDA, or CPU with TRITON_INTERPRET=1), impl="auto" the kernel on CUDA
-tensors and the reference otherwise. Both give the same bits given the same SR uniforms.
+Non-finite gradients: a NaN or Inf gradient element poisons its whole block (torch's AdamW only
+that element): at step t only that parameter becomes NaN, but the block's absmax, and so its
+stored scales, become NaN or Inf, so from step t + 1 all block_size parameters of the block are
+NaN for good (reference and kernel alike). Keeping it to the element would need a NaN-aware block
+max (an instruction per element in the kernel's inner loop) and a scale other than the authors'
+absmax. The caller checks: train.py stops on a non-finite loss or gradient norm.
 
 The machinery lives beside this file, one concern each:
-  numerics.py       float32 helpers shared by references and kernels (sqrt_rn, eq. 3.1's
-                    denominator, BF16 round-to-nearest-even on bits)
+  numerics.py       float32 helpers of references and kernels (sqrt_rn, eq. 3.1, BF16 RNE)
   sr_bits.py        the SR seed scheme and the kernels' uniforms (Philox)
   param_write.py    the 16-bit parameter write: BF16 RTN / SR, eq. MW's 24-bit master weight
   kernel_tables.py  the kernel's codebook lookup tables
   launch_tables.py  the kernels' launch tables (TAB_* columns) and per-step scalars
+  quant_metrics.py  quantization-error diagnostics (Sec. 4, App. C)
   adamw_fp32.py     AdamW on FP32 states (tensors too small to quantize)
   fused_step.py     step()'s recorded launch plan, its replay and CUDA-graph capture
   optim_state.py    state creation, state_dict layouts, FSDP2 (DTensor) shards
@@ -85,28 +78,30 @@ import triton.language as tl
 import fused_step
 import optim_args
 import optim_state
-from adamw_fp32 import _adamw_kernel, _adamw_prepare, _fp32_loop, _fused_fp32_args, _fused_fp32_group, _split_fp32
+from adamw_fp32 import _adamw_kernel, _adamw_prepare
 from adamw_fp32 import _adamw_launch as _adamw_launch_with
 from codebooks import get_codebook, midpoints
-from kernel_tables import _kernel_tables
+from kernel_tables import _join_bits, _kernel_tables, _unpair
 from launch_tables import (_DTYPE_KIND, KERNEL_DTYPES, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SCALE,
                            TAB_EXP_AVG_SQ, TAB_EXP_AVG_SQ_SCALE, TAB_FIRST_PROGRAM, TAB_GRAD, TAB_N_BLOCKS,
                            TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH, _cached_tables,
                            _device_scalars, _launch_scalars)
 from numerics import _denominator, _f32, sqrt_rn
-from optim_args import COORDS, ROUNDINGS, _check_block_size, _group_hparams
+from optim_args import _check_block_size, _check_quant_args, _group_hparams
 from optim_state import _is_dtensor
-from param_write import _join_master, _param_bits16, read_param, _write_step
+from param_write import _join_master, _param_bits16, _write_step, read_param
 from sr_bits import _seed_of_step, _sr_seed, _tile_uniforms, _tl_sr_seed
 
-# names the tests, bench.py and older scripts import from here
+# names that tests, bench.py, experiments.py and train.py import from here
 from adamw_fp32 import ADAMW_BLOCK, adamw_step_torch, adamw_step_triton  # noqa: F401,E402
 from kernel_tables import LUT_BUCKETS, _bucket_lut, _pair_bits  # noqa: F401,E402
 from launch_tables import _BIAS_ROWS_MAX, _bias_table, _triton_regrad  # noqa: F401,E402
-from optim_args import IMPLS, V_ROUNDINGS  # noqa: F401,E402
+from optim_args import COORDS, IMPLS, ROUNDINGS, V_ROUNDINGS  # noqa: F401,E402
 from optim_state import _PACKED  # noqa: F401,E402
 from param_write import (MASTER_WEIGHT_BITS, PARAM_ROUNDINGS, _correction_unit, join_master,  # noqa: F401,E402
                          round_to_bf16, split_master, write_param)
+from quant_metrics import (nonzero_to_zero_fraction, radial_bias, relative_rms_error,  # noqa: F401,E402
+                           update_relative_error)
 from sr_bits import _SEED_MOD, _seed_of_index, _uniforms  # noqa: F401,E402
 
 _midpoints = midpoints     # the name the tests and older scripts use
@@ -175,24 +170,6 @@ def unpack_nibbles(packed):
 
 
 
-def _check_quant_args(x, block_size, rule, coord, T, bias_correction2=1.0):
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a real floating-point tensor, got "
-                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
-    if not 0 < bias_correction2 <= 1:
-        raise ValueError(f"bias_correction2 = 1 - b2^t must be in (0, 1], got {bias_correction2}")
-    _check_block_size(block_size)
-    if x.numel() % block_size:
-        raise ValueError(f"x.numel()={x.numel()} must be a multiple of block_size={block_size}")
-    if rule not in ROUNDINGS:
-        raise ValueError(f"rule must be one of {ROUNDINGS}, got {rule!r}")
-    if coord not in COORDS:
-        raise ValueError(f"coord must be one of {COORDS}, got {coord!r}")
-    if coord == "update" and T[0] < 0:
-        raise ValueError("coord='update' (preconditioner space) needs a nonnegative codebook, "
-                         f"got min level {T[0].item()}")
-
-
 def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
                        bias_correction2=1.0, eps=1e-8, eden=False, u=None, generator=None):
     """Block-quantize a tensor to packed 4-bit codes and FP32 scales (paper B, Def. 3, App. A.2;
@@ -258,35 +235,6 @@ def dequantize_blockwise(packed, scales, codebook, block_size=128):
     return (scales[:, None] * T[codes].view(-1, block_size)).view(-1)
 
 
-# quantization-error diagnostics (paper B, Sec. 4 and Appendix C)
-
-def radial_bias(m, m_q):
-    """Radial bias b_rad = <Q(m) - m, m> / ||m||² (paper B, Sec. 4); negative = inward.
-    m, m_q: float tensors of one shape (a moment and its decoded quantization). Returns a float."""
-    m, m_q = m.double().flatten(), m_q.double().flatten()
-    return ((m_q - m) @ m / (m @ m)).item()
-
-
-def relative_rms_error(x, x_q):
-    """Relative RMS quantization error ||Q(x) - x|| / ||x|| (paper B, Appendix C.4).
-    x, x_q: float tensors of one shape. Returns a float."""
-    x, x_q = x.double().flatten(), x_q.double().flatten()
-    return ((x_q - x).norm() / x.norm()).item()
-
-
-def nonzero_to_zero_fraction(x, x_q):
-    """Fraction of nonzero entries of x written as zero by Q (paper B, Appendix C.4).
-    x, x_q: tensors of one shape. Returns a float in [0, 1] (0 if x has no nonzero entry)."""
-    nz = x != 0
-    return ((x_q == 0) & nz).sum().item() / max(nz.sum().item(), 1)
-
-
-def update_relative_error(u_q, u_32):
-    """One-step relative update error ||u_4bit - u_32|| / ||u_32|| (paper B, Appendix C.3).
-    u_q, u_32: float tensors of one shape (4-bit and FP32 updates). Returns a float."""
-    return relative_rms_error(u_32, u_q)
-
-
 # ============================================================================================
 # The reference step (plain PyTorch): eq. 2.1a-b, then Def. 3 / App. A.2 / eq. 3.2 storage
 
@@ -340,9 +288,8 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
 #
 # SR bits of step t depend only on (seed, t, parameter index): the reference steps seed their
 # generator with _sr_seed(seed, t, index), the kernels add _seed_of_step(seed, t) to the launch
-# table's _seed_of_index(index) (sr_bits.py).
-
-# m is always rounded in state space; v's rounding names "coord-rule".
+# table's _seed_of_index(index) (sr_bits.py). Presets: m is always rounded in state space; v's
+# rounding names "coord-rule".
 PRESETS = {
     "fp32":    dict(m_codebook=None, m_rounding=None, v_codebook=None, v_rounding=None,
                     eden=False, lm_head_sr_after=None),
@@ -363,12 +310,10 @@ _FUSED_ADAMW_DEVICES = ("cuda",)   # where FP32-state FP32 parameters take torch
 class AdamW4bit(torch.optim.Optimizer):
     """AdamW with block-quantized 4-bit moments (paper B, Sec. 2.1, Def. 3, Table 2).
 
-    params:       iterable of tensors or param-group dicts (per-group lr, betas, eps,
-                  weight_decay, quantize). Parameters are FP32 master weights, or BF16 / FP16
-                  weights: the math runs in FP32 and the result is written back (param_rounding).
-                  A group with quantize=False keeps FP32 states for all its tensors (e.g.
-                  embeddings and the LM head, as bitsandbytes' GlobalOptimManager does); the
-                  option is saved in state_dict(), so a resumed run keeps the policy.
+    params:       iterable of FP32, BF16 or FP16 tensors or param-group dicts (per-group lr,
+                  betas, eps, weight_decay, quantize). A group with quantize=False keeps FP32
+                  states for all its tensors (e.g. embeddings and the LM head, as bitsandbytes'
+                  GlobalOptimManager does); saved in state_dict(), so a resumed run keeps it.
     lr:           float or 0-d tensor (works with torch.optim.lr_scheduler).
     betas, eps, weight_decay: AdamW's; weight decay is decoupled: w <- (1 - lr wd) w.
     preset:       "fp32", "torchao", "zeeden" or "zipsr" (module docstring; paper B Table 2).
@@ -382,19 +327,17 @@ class AdamW4bit(torch.optim.Optimizer):
                   iff numel >= 4096 and numel % block_size == 0 and its group does not set
                   quantize=False; others keep FP32 states (adamw_fp32.py).
     impl:         "torch" (reference), "triton" (fused kernel, CUDA or TRITON_INTERPRET=1), or
-                  "auto" (triton on CUDA tensors, torch otherwise). A custom codebook whose levels
-                  (or level midpoints) are closer than the kernel's buckets (~0.004) runs on the
-                  reference under "auto" and is a ValueError under "triton".
+                  "auto" (triton on CUDA tensors, torch otherwise). A codebook too dense for the
+                  kernel's buckets (levels < ~0.004 apart) runs the reference under "auto" and is
+                  a ValueError under "triton".
     seed:         seeds the SR random bits (sr_bits.py: the bits of step t depend only on
                   (seed, t, parameter index), so a resumed run draws the same bits).
     param_rounding: how BF16 parameters are written (param_write.py): "rtn" (round to nearest
-                  even, a cast) or "sr" (stochastic rounding, unbiased; TorchAO's
-                  bf16_stochastic_round). FP32 parameters are written exactly, FP16 ones RTN.
+                  even) or "sr" (stochastic rounding, unbiased). FP16 ones are written RTN.
     master_weight_bits: None, or 24 (FlashOptim's name): each BF16 parameter gets an int8
                   state "param_correction", the rounding residual of eq. MW, so the weights the
                   step updates have 16 significant bits, not 8 (+1 B/param). RTN writes only.
-                  A parameter cast to FP32/FP16 later (model.to) takes its 24-bit master weight
-                  at its next step(); one cast to BF16 gets a zero correction there.
+                  A later cast (model.to) keeps the 24-bit weight (optim_state.fit_state).
     capturable:   False, or True (as torch's optimizers' flag): step counters and lr on the
                   device, so step() can run inside a torch.cuda.graph capture (fused_step.py
                   says what a capture needs). Not with FSDP2 (DTensor) parameters; betas up to
@@ -446,10 +389,8 @@ class AdamW4bit(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
-        """torch's add_param_group, then checks the group's hyperparameters (every group, also
-        those given to the constructor) and that its parameters are float32, bfloat16 or float16
-        (the step's math is float32: float64 would silently lose precision). A group that fails
-        a check is not kept."""
+        """torch's add_param_group, then the group's checks (optim_args.check_new_group: its
+        hyperparameters, float32/bfloat16/float16 parameters). A group that fails one is not kept."""
         super().add_param_group(param_group)
         self._plan_version += 1
         try:
@@ -485,9 +426,8 @@ class AdamW4bit(torch.optim.Optimizer):
 
     # ---- state --------------------------------------------------------------------------------
     def _eligible(self, p):
-        B = self.qcfg["block_size"]
-        return (self.qcfg["m_codebook"] is not None and p.numel() >= MIN_QUANT_NUMEL
-                and p.numel() % B == 0)
+        n = p.numel()
+        return self.qcfg["m_codebook"] is not None and n >= MIN_QUANT_NUMEL and n % self.qcfg["block_size"] == 0
 
     def is_quantized(self, p, group=None):
         """True if p's moments are stored in 4 bits: a quantized preset, an eligible size, and p's
@@ -510,41 +450,32 @@ class AdamW4bit(torch.optim.Optimizer):
         return optim_state.init_state(self, p, group)
 
     def state_nbytes(self):
-        """Persistent optimizer-state bytes: codes, scales, FP32 moments and param_correction
-        (the scalar step counters are not counted). 1.0625 B/param on quantized tensors, 8 on
-        FP32 ones, + 1 with master_weight_bits=24 on BF16 ones. For FSDP2 (DTensor) states: the
-        bytes this rank holds."""
-        local = lambda t: t.to_local() if _is_dtensor(t) else t   # noqa: E731
-        return sum(local(t).numel() * t.element_size() for st in self.state.values()
-                   for k, t in st.items() if k != "step" and torch.is_tensor(t))
+        """Persistent state bytes (this rank's for FSDP2): 1.0625 B/param quantized, 8 FP32, + 1
+        with master_weight_bits=24 on BF16 ones; the step counters are not counted."""
+        return optim_state.state_nbytes(self)
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
     def state_dict(self):
-        """torch's state dict (param groups with their quantize flags) plus the quantizer
-        configuration, seed, progress and LM-head marks. The 4-bit codes and scales of a tensor
-        whose rows are whole blocks come per row (FSDP2's layout, views, no copy)."""
+        """torch's state dict plus the quantizer configuration, seed, progress and LM-head marks;
+        codes and scales per row where rows are whole blocks (FSDP2's layout, views)."""
         return optim_state.state_dict(self)
 
     def load_state_dict(self, state_dict):
-        """Load a state_dict() of an AdamW4bit with the same preset, components and block_size;
-        packed codes and scales are restored exactly (and moved to each parameter's device).
-        Also takes the {"state", "param_groups"} dict of set_optimizer_state_dict
-        (torch.distributed.checkpoint): the configuration then comes from the groups.
-        Raises ValueError for a state dict of another configuration or of another optimizer."""
+        """Load a state_dict() of an AdamW4bit with the same configuration, codes and scales
+        exactly, on each parameter's device; also set_optimizer_state_dict's {"state",
+        "param_groups"} (DCP). ValueError for another configuration or optimizer."""
         optim_state.load_state_dict(self, state_dict)
 
     # ---- step ---------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One AdamW step over all parameters with a gradient (update-before-storage).
-
-        Quantized tensors go through the fused Triton kernel (adamw4bit_step_triton: one launch
-        per group of tensors sharing step, dtypes and first-moment rule) or the reference
-        (adamw4bit_step_torch); FP32-state tensors through adamw_fp32.py. Returns the closure's
-        loss (None without a closure). A step records its plan and later steps replay it while
-        nothing it depends on changed (fused_step.py)."""
+        """One AdamW step over all parameters with a gradient (update-before-storage): quantized
+        tensors through the kernel (adamw4bit_step_triton, one launch per group of tensors sharing
+        step, dtypes and m's rule) or the reference (adamw4bit_step_torch), FP32-state ones
+        through adamw_fp32.py. The step's plan is recorded and replayed (fused_step.py). Returns
+        the closure's loss (None without a closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -561,7 +492,7 @@ class AdamW4bit(torch.optim.Optimizer):
     def _build_and_run(self, plan):
         # Every parameter with a gradient: its state for this step, then its path (kernel or
         # reference, 4-bit or FP32 states). The reference 4-bit step runs at once; the rest runs
-        # per group (_run_group) and is recorded in `plan`. Returns whether a later step may
+        # per group (fused_step.run_group), recorded in `plan`. Returns whether a later step may
         # replay the plan (not with reference 4-bit steps or gathered FSDP2 tensors).
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         cacheable, index, writeback = plan["key"] is not None, 0, []
@@ -582,7 +513,7 @@ class AdamW4bit(torch.optim.Optimizer):
                     cacheable = cacheable and not gathered   # a gathered tensor is new each step
                     if p.numel() == 0:   # fewer rows than ranks: nothing here
                         continue
-                if not quantized and self._use_adamw_kernel(p, interp):   # 16-bit params, FP32 states
+                if not quantized and optim_args.use_adamw_kernel(self, p, interp):   # 16-bit params, FP32 states
                     small.setdefault((t, p.dtype, p.grad.dtype, "param_correction" in st), []).append((p, st, sidx))
                 elif not quantized:
                     fp32.append((p, st, t, sidx))
@@ -591,57 +522,20 @@ class AdamW4bit(torch.optim.Optimizer):
                 else:
                     cacheable = False
                     adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule, _sr_seed(self.seed, t, sidx))
-            self._run_group(plan, gi, group, hp, fp32, quant, small, cacheable)
+            rule = self.qcfg["param_rounding"]
+            launches = [(t, _triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache,
+                                            own_table=cacheable), items, _triton_launch)
+                        for (t, _, _, m_rule), items in quant.items()]
+            launches += [(t, _adamw_prepare(items, rule, self._kernel_cache, own_table=cacheable), items,
+                          _adamw_launch) for (t, *_), items in small.items()]
+            fused_step.run_group(self, plan, gi, group, hp, fp32, launches, _FUSED_ADAMW_DEVICES)
         for args in writeback:
             optim_state._write_back(*args)
         optim_state._drop_local_grads(self._local_views)
         return cacheable
 
-    def _run_group(self, plan, gi, group, hp, fp32, quant, small, own_table):
-        # One group's FP32-state steps and kernel launches, recorded in `plan` as
-        # fused_step.launch_plan repeats them. fp32: (param, state, t, seed index) items; quant,
-        # small: the 4-bit and the FP32-state kernel's items per launch.
-        device = next((p.device for p in group["params"] if p.grad is not None), None)
-        by_t, loop = _split_fp32(fp32, _FUSED_ADAMW_DEVICES)
-        rule = self.qcfg["param_rounding"]
-        _fp32_loop(loop, 0, hp, rule, self.seed)
-        lr = fused_step.device_lr(self, gi, group, device) if self.capturable and by_t else None
-        fused = [(t, _fused_fp32_args(its, lr)) for t, its in by_t.items()]
-        for t, a in fused:        # the host's t and lr at this step, as without a plan
-            _fused_fp32_group(dict(a, lr=None), t, *hp)
-        gplan = dict(group=group, index=gi, device=device, fused=fused, loop=loop, launches=[])
-        plan["groups"].append(gplan)
-        launches = [(t, _triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache,
-                                        own_table=own_table), items, _triton_launch)
-                    for (t, _, _, m_rule), items in quant.items()]
-        launches += [(t, _adamw_prepare(items, rule, self._kernel_cache, own_table=own_table), items, _adamw_launch)
-                     for (t, *_), items in small.items()]
-        for t, launch, items, run in launches:
-            if self.capturable:
-                launch["dev"] = fused_step.device_args(self, gi, group, items[0][1], device)
-            run(launch, *hp, t, _seed_of_step(self.seed, t))
-            gplan["launches"].append((t, launch, [p for p, _, _ in items], run))
-
-    def _use_adamw_kernel(self, p, interp):
-        # adamw_step_triton for an FP32-state tensor: 16-bit parameters (FP32 ones take torch's
-        # fused AdamW), contiguous, on CUDA (or CPU with TRITON_INTERPRET=1 and impl="triton")
-        return p.dtype in (torch.bfloat16, torch.float16) and p.grad.dtype in KERNEL_DTYPES and \
-            p.is_contiguous() and p.grad.is_contiguous() and self.impl != "torch" and \
-            (p.is_cuda or (interp and self.impl == "triton"))
-
     def _use_triton(self, p, interp):
-        if self._kernel_tabs is None:
-            return False
-        ok = (p.is_cuda or interp) and p.dtype in KERNEL_DTYPES and p.is_contiguous() and \
-            p.grad.dtype in KERNEL_DTYPES and p.grad.is_contiguous()
-        if self.impl == "triton" and not ok:
-            raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
-                             "contiguous float32/bfloat16/float16 parameters and gradients; got a "
-                             f"{'' if p.is_contiguous() else 'non-contiguous '}{p.device} {p.dtype} "
-                             f"parameter of shape {tuple(p.shape)} with a "
-                             f"{'' if p.grad.is_contiguous() else 'non-contiguous '}{p.grad.dtype} gradient "
-                             "(use .contiguous() parameters or impl='auto')")
-        return ok and (p.is_cuda or self.impl == "triton")
+        return optim_args.use_triton(self, p, interp)
 
 
 # ============================================================================================
@@ -905,7 +799,6 @@ def _absmax(x0, x1):
     return tl.max(m, axis=1).to(tl.float32, bitcast=True)
 
 
-
 @triton.jit
 def _ld(ptr, mask):
     # tl.load, masked (zeros outside) only when a mask is given
@@ -914,18 +807,6 @@ def _ld(ptr, mask):
     else:
         x = tl.load(ptr, mask=mask, other=0)
     return x
-
-
-@triton.jit
-def _unpair(e):
-    # inverse of _pair_bits: int64 -> (low float32, high float32)
-    return e.to(tl.int32).to(tl.float32, bitcast=True), (e >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _join_bits(lo, hi):
-    # _pair_bits in the kernel: two float32 -> one int64 (one 64-bit store)
-    return lo.to(tl.uint32, bitcast=True).to(tl.int64) | (hi.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
 
 
 # ---- the wrapper -----------------------------------------------------------------------------

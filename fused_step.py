@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from adamw_fp32 import _fp32_loop, _fused_fp32_group
+from adamw_fp32 import _fp32_loop, _fused_fp32_args, _fused_fp32_group, _split_fp32
 from launch_tables import _bias_table, _triton_regrad
 from optim_args import _group_hparams
 from optim_state import DTensor, _drop_local_grads, _local_params
@@ -105,6 +105,27 @@ def finish_plan(opt, plan):
         plan["graphable"] = all(g["device"] is None or (g["device"].type == "cuda" and not g["loop"])
                                 for g in plan["groups"])
     opt._plan = plan
+
+
+def run_group(opt, plan, gi, group, hp, fp32, launches, fused_devices):
+    """One param group's FP32-state steps and kernel launches at this step, recorded in `plan` as
+    launch_plan repeats them. hp: (lr, b1, b2, eps, wd); fp32: (param, state, t, seed index)
+    items; launches: (t, prepared launch, its (param, state, index) items, the launch function);
+    fused_devices: where FP32 parameters take torch's fused AdamW."""
+    device = next((p.device for p in group["params"] if p.grad is not None), None)
+    by_t, loop = _split_fp32(fp32, fused_devices)
+    _fp32_loop(loop, 0, hp, opt.qcfg["param_rounding"], opt.seed)
+    lr = device_lr(opt, gi, group, device) if opt.capturable and by_t else None
+    fused = [(t, _fused_fp32_args(its, lr)) for t, its in by_t.items()]
+    for t, a in fused:        # the host's t and lr at this step, as without a plan
+        _fused_fp32_group(dict(a, lr=None), t, *hp)
+    gplan = dict(group=group, index=gi, device=device, fused=fused, loop=loop, launches=[])
+    plan["groups"].append(gplan)
+    for t, launch, items, run in launches:
+        if opt.capturable:
+            launch["dev"] = device_args(opt, gi, group, items[0][1], device)
+        run(launch, *hp, t, _seed_of_step(opt.seed, t))
+        gplan["launches"].append((t, launch, [p for p, _, _ in items], run))
 
 
 def replay(opt, plan, grads, gptrs, capturing=False):

@@ -5,6 +5,8 @@ entry two float32 values packed in one int64 so that the kernel reads both with 
 Touches nothing but the codebooks it is given.
 """
 import torch
+import triton
+import triton.language as tl
 
 from codebooks import get_codebook, midpoints
 from numerics import sqrt_rn
@@ -16,6 +18,18 @@ def _pair_bits(lo, hi):
     """float32 tensors lo, hi -> int64 holding lo's bits in the low word and hi's in the high
     word: the kernel reads both with one 64-bit gather."""
     return (lo.view(torch.int32).long() & 0xFFFFFFFF) | (hi.view(torch.int32).long() << 32)
+
+
+@triton.jit
+def _unpair(e):
+    # inverse of _pair_bits: int64 -> (low float32, high float32)
+    return e.to(tl.int32).to(tl.float32, bitcast=True), (e >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _join_bits(lo, hi):
+    # _pair_bits in the kernel: two float32 -> one int64 (one 64-bit store)
+    return lo.to(tl.uint32, bitcast=True).to(tl.int64) | (hi.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
 
 
 def _bucket_lut(bounds, n=None, margin=2.0 ** -12):

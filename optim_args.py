@@ -2,7 +2,8 @@
 AdamW4bit's argument checks: the constructor's arguments, the quantizer configuration (a preset
 of paper B Table 2 with its overrides), each param group's hyperparameters (when added, and again
 whenever they change, so a bad value is a clear error before the step rather than a NaN weight
-inside it) and their parameters' dtypes. Raises only; changes nothing but opt._checked.
+inside it) and their parameters' dtypes, and which path (kernel or reference) a tensor can take.
+Raises only; changes nothing but opt._checked.
 """
 import math
 
@@ -21,6 +22,24 @@ IMPLS = ("auto", "torch", "triton")
 def _check_block_size(block_size):
     if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
+
+
+def _check_quant_args(x, block_size, rule, coord, T, bias_correction2=1.0):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a real floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not 0 < bias_correction2 <= 1:
+        raise ValueError(f"bias_correction2 = 1 - b2^t must be in (0, 1], got {bias_correction2}")
+    _check_block_size(block_size)
+    if x.numel() % block_size:
+        raise ValueError(f"x.numel()={x.numel()} must be a multiple of block_size={block_size}")
+    if rule not in ROUNDINGS:
+        raise ValueError(f"rule must be one of {ROUNDINGS}, got {rule!r}")
+    if coord not in COORDS:
+        raise ValueError(f"coord must be one of {COORDS}, got {coord!r}")
+    if coord == "update" and T[0] < 0:
+        raise ValueError("coord='update' (preconditioner space) needs a nonnegative codebook, "
+                         f"got min level {T[0].item()}")
 
 
 def check_init_args(presets, lr, betas, eps, weight_decay, preset, block_size, impl, seed, param_rounding,
@@ -168,3 +187,27 @@ def check_changed_groups(opt):
         if opt._checked.get(gi) != _hparams_key(group):
             check_group(opt, gi, group, lr_value=False)
 
+
+def use_adamw_kernel(opt, p, interp):
+    # adamw_step_triton for an FP32-state tensor: 16-bit parameters (FP32 ones take torch's
+    # fused AdamW), contiguous, on CUDA (or CPU with TRITON_INTERPRET=1 and impl="triton")
+    return p.dtype in (torch.bfloat16, torch.float16) and p.grad.dtype in KERNEL_DTYPES and \
+        p.is_contiguous() and p.grad.is_contiguous() and opt.impl != "torch" and \
+        (p.is_cuda or (interp and opt.impl == "triton"))
+
+
+def use_triton(opt, p, interp):
+    # the 4-bit kernel for quantized p (impl, device, dtypes, contiguity); impl='triton' where it
+    # cannot run is a ValueError saying why
+    if opt._kernel_tabs is None:
+        return False
+    ok = (p.is_cuda or interp) and p.dtype in KERNEL_DTYPES and p.is_contiguous() and \
+        p.grad.dtype in KERNEL_DTYPES and p.grad.is_contiguous()
+    if opt.impl == "triton" and not ok:
+        raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
+                         "contiguous float32/bfloat16/float16 parameters and gradients; got a "
+                         f"{'' if p.is_contiguous() else 'non-contiguous '}{p.device} {p.dtype} "
+                         f"parameter of shape {tuple(p.shape)} with a "
+                         f"{'' if p.grad.is_contiguous() else 'non-contiguous '}{p.grad.dtype} gradient "
+                         "(use .contiguous() parameters or impl='auto')")
+    return ok and (p.is_cuda or opt.impl == "triton")

@@ -314,3 +314,11 @@ def local_step(opt, p, st, quantized, index, writeback):
     lp, local, gathered = _local_step_view(p, st, quantized, layout, opt._local_views)
     writeback.append((p, st, lp, local, gathered, layout[2]))
     return lp, local, index + layout[1], gathered
+
+
+def state_nbytes(opt):
+    """AdamW4bit.state_nbytes: the bytes of every state tensor but the step counters (a DTensor's
+    local part)."""
+    local = lambda t: t.to_local() if _is_dtensor(t) else t   # noqa: E731
+    return sum(local(t).numel() * t.element_size() for st in opt.state.values()
+               for k, t in st.items() if k != "step" and torch.is_tensor(t))
