@@ -116,7 +116,6 @@ def preconditioner(v, bias_correction2, eps):
     return 1.0 / _denominator(v, bias_correction2, eps)
 
 
-
 def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, eps=1e-8, u=None,
                     r_x=None, r_scale=None):
     """Round each x to one of its two adjacent levels (paper B, Appendix A.2; eq. A.2 here);
@@ -156,7 +155,6 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
     return torch.where(take_a, lo, lo + 1)
 
 
-
 def pack_nibbles(codes):
     """(N,) integer codes in [0, 16) -> (N/2,) uint8; element 2i in the low nibble, 2i+1 high
     (Def. 3: two codes per byte). N must be even."""
@@ -167,7 +165,6 @@ def pack_nibbles(codes):
 def unpack_nibbles(packed):
     """(N/2,) uint8 -> (N,) int64 codes; inverse of pack_nibbles."""
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(-1).long()
-
 
 
 def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
@@ -633,10 +630,7 @@ def _adamw4bit_kernel(
                    True, M_SR, V_SR, V_UPDATE, EDEN, P_KIND, P_SR, P_CORR, ALIGNED, BLOCK_SIZE, NB)
 
 
-
-
 # ---- the kernel's helpers --------------------------------------------------------------------
-
 
 @triton.jit
 def _load_tile(param, grad, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, first, lim,
@@ -759,7 +753,6 @@ def _load_pair(ptr, pair, mask, KIND: tl.constexpr):
             lo = word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             hi = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
-
 
 
 @triton.jit

@@ -53,5 +53,12 @@ def bf16_rne_bits(bits):
 @triton.jit
 def tl_bf16_rne_bits(bits):
     # bf16_rne_bits in Triton, the same integer operations
-    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl_bf16_round_bits(bits, 0x7FFF + ((bits >> 16) & 1))
+
+
+@triton.jit
+def tl_bf16_round_bits(bits, add):
+    # float32 bits -> BF16 bits (top half): add `add` to the dropped low half and clear it (RTN:
+    # tl_bf16_rne_bits; SR: a random 16-bit add), NaN kept and quieted
+    r = (bits + add) & -65536
     return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, (bits & -65536) | 0x400000, r)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from numerics import bf16_rne_bits, tl_bf16_rne_bits
+from numerics import bf16_rne_bits, tl_bf16_rne_bits, tl_bf16_round_bits
 
 PARAM_ROUNDINGS = ("rtn", "sr")
 MASTER_WEIGHT_BITS = (None, 24)
@@ -110,10 +110,9 @@ def _write_step(param, w, corr, rule, u_p, gen):
 def _bf16_bits(w, u, SR: tl.constexpr):
     # round_to_bf16 on float32 w: the BF16 result's bits in the top half of an int32
     bits = w.to(tl.int32, bitcast=True)
-    x = tl_bf16_rne_bits(bits)
     if SR:
-        x = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, x, (bits + (u * 65536.0).to(tl.int32)) & -65536)
-    return x
+        return tl_bf16_round_bits(bits, (u * 65536.0).to(tl.int32))
+    return tl_bf16_rne_bits(bits)
 
 
 @triton.jit
