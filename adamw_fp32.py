@@ -16,6 +16,7 @@ from numerics import _denominator
 from param_write import _join_master, _param_bits16, _write_step, read_param
 from sr_bits import _sr_seed, _tl_sr_seed, _uniform
 
+
 def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", seed=0, u_p=None):
     """One AdamW step of one FP32-state tensor in plain PyTorch (paper B's 32-bit baseline; the
     tensors too small to quantize): eq. 2.1a-b with the moments stored as they are, the same
@@ -58,6 +59,13 @@ def _split_fp32(items, fused_devices):
     return by_t, loop
 
 
+def _fp32_loop(loop, k, hp, rule, seed):
+    """adamw_step_torch on _split_fp32's loop items (param, state, t, seed index) at step t + k,
+    hp = (lr, b1, b2, eps, wd), rule = param_rounding, seed: the optimizer's."""
+    for p, st, t, i in loop:
+        adamw_step_torch(p, p.grad, st, *hp, t + k, rule, _sr_seed(seed, t + k, i))
+
+
 def _fused_fp32_args(its, lr=None):
     # the step-independent lists of _fused_fp32_group for (param, state) pairs of FP32 parameters
     # of one device and step: the parameters and their moments shaped like them
@@ -83,12 +91,13 @@ def _fused_fp32_group(a, t, lr, b1, b2, eps, wd):
                         amsgrad=False, maximize=False)
 
 
-# The tensors too small to quantize (and quantize=False groups) keep FP32 moments. With FP32
-# parameters they take torch's fused AdamW; with BF16 / FP16 parameters that kernel cannot write
-# the parameter (its states would be 16-bit too), so this one does: each program steps
+# ============================================================================================
+# The FP32-state step in Triton: adamw_step_torch for many 16-bit-parameter tensors in one launch
+#
+# Each program steps
 # ADAMW_BLOCK consecutive elements of one tensor, found through the same launch tables as the
 # 4-bit kernel's (TAB_N_BLOCKS holds the element count, the scale columns are unused), and
-# writes the parameter as _step_tile does (RTN, SR or eq. MW).
+# writes the parameter as the 4-bit kernel does (param_write._param_bits16: RTN, SR or eq. MW).
 
 ADAMW_BLOCK = 1024       # elements per program
 
@@ -174,10 +183,3 @@ def _adamw_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step, kernel=None):
     (seed_of_step, decay, step_size, inv_sqrt_bc2), dev = _launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step)
     (kernel or _adamw_kernel)[launch["grid"]](launch["progs"], launch["tab"], seed_of_step, decay, step_size,
                                               b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2, eps, *dev, **launch["flags"])
-
-
-def _fp32_loop(loop, k, hp, rule, seed):
-    """adamw_step_torch on _split_fp32's loop items (param, state, t, seed index) at step t + k,
-    hp = (lr, b1, b2, eps, wd), rule = param_rounding, seed: the optimizer's."""
-    for p, st, t, i in loop:
-        adamw_step_torch(p, p.grad, st, *hp, t + k, rule, _sr_seed(seed, t + k, i))
