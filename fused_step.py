@@ -10,7 +10,8 @@ opt._device_bufs and the tensors the plan names.
 Capture rules (capturable=True): under torch.cuda.graph capture, step() repeats the last step()
 taken outside capture, so that step must have been taken with the gradients the graph will use
 (same addresses: zero_grad(set_to_none=False)), and lr must be a 0-d CUDA tensor updated in place
-(lr.fill_(value)); anything else is a RuntimeError saying which. Outside a capture, on CUDA, a
+(lr.fill_(value)); anything else is a RuntimeError saying which (outside capture a float lr is
+copied to the device each step). Outside a capture, on CUDA, a
 replay runs as one CUDA graph (host time ~0.1 ms per step), captured again when the gradients
 move. The bias corrections are a float64 table per (betas, weight_decay), _bias_table, rebuilt
 with the plan when they change: a momentum schedule (OneCycleLR's cycle_momentum) rebuilds it
