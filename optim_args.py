@@ -1,0 +1,213 @@
+"""
+AdamW4bit's argument checks: the constructor's arguments, the quantizer configuration (a preset
+of paper B Table 2 with its overrides), each param group's hyperparameters (when added, and again
+whenever they change, so a bad value is a clear error before the step rather than a NaN weight
+inside it) and their parameters' dtypes, and which path (kernel or reference) a tensor can take.
+Raises only; changes nothing but opt._checked.
+"""
+import math
+
+import torch
+
+from codebooks import get_codebook
+from launch_tables import _BIAS_ROWS_MAX, KERNEL_DTYPES
+from param_write import MASTER_WEIGHT_BITS, PARAM_ROUNDINGS
+
+ROUNDINGS = ("rtn", "sr")
+COORDS = ("state", "update")
+V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
+IMPLS = ("auto", "torch", "triton")
+
+
+def _check_block_size(block_size):
+    if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
+
+
+def _check_quant_args(x, block_size, rule, coord, T, bias_correction2=1.0):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a real floating-point tensor, got "
+                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not 0 < bias_correction2 <= 1:
+        raise ValueError(f"bias_correction2 = 1 - b2^t must be in (0, 1], got {bias_correction2}")
+    _check_block_size(block_size)
+    if x.numel() % block_size:
+        raise ValueError(f"x.numel()={x.numel()} must be a multiple of block_size={block_size}")
+    if rule not in ROUNDINGS:
+        raise ValueError(f"rule must be one of {ROUNDINGS}, got {rule!r}")
+    if coord not in COORDS:
+        raise ValueError(f"coord must be one of {COORDS}, got {coord!r}")
+    if coord == "update" and T[0] < 0:
+        raise ValueError("coord='update' (preconditioner space) needs a nonnegative codebook, "
+                         f"got min level {T[0].item()}")
+
+
+def check_init_args(presets, lr, betas, eps, weight_decay, preset, block_size, impl, seed, param_rounding,
+                    master_weight_bits, capturable):
+    """AdamW4bit.__init__'s checks of its arguments (presets: its PRESETS)."""
+    _check_hparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "")
+    if not isinstance(capturable, bool):
+        raise TypeError(f"capturable must be a bool, got {capturable!r}")
+    if not isinstance(param_rounding, str) or param_rounding not in PARAM_ROUNDINGS:
+        raise ValueError(f"param_rounding must be one of {PARAM_ROUNDINGS}, got {param_rounding!r}")
+    if master_weight_bits not in MASTER_WEIGHT_BITS or not isinstance(master_weight_bits, (int, type(None))) \
+            or isinstance(master_weight_bits, bool):
+        raise ValueError(f"master_weight_bits must be one of {MASTER_WEIGHT_BITS}, got "
+                         f"{master_weight_bits!r}")
+    if master_weight_bits == 24 and param_rounding == "sr":
+        raise ValueError("master_weight_bits=24 keeps the rounding residual of a round-to-"
+                         "nearest write: use param_rounding='rtn' with it, not 'sr'")
+    if not isinstance(preset, str) or preset not in presets:
+        raise ValueError(f"preset must be one of {sorted(presets)}, got {preset!r}")
+    _check_block_size(block_size)
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise TypeError(f"seed must be a nonnegative int, got {seed!r}")
+
+
+def _group_hparams(group):
+    # (lr, b1, b2, eps, wd) of a param group for this step; lr may be a 0-d tensor (schedulers)
+    lr = group["lr"]
+    return (float(lr.item()) if torch.is_tensor(lr) else float(lr), *group["betas"], group["eps"],
+            group["weight_decay"])
+
+
+def _check_hparams(h, where):
+    """ValueError/TypeError naming the hyperparameter, its value and the allowed range."""
+    lr, betas, eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"{where}lr tensor must have one element, got shape {tuple(lr.shape)}")
+        lr = lr.item()
+    for name, v in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"{where}{name} must be a number, got {v!r}")
+    if not (0 <= lr < math.inf):
+        raise ValueError(f"{where}lr must be finite and >= 0, got {lr}")
+    if not (0 < eps < math.inf):
+        raise ValueError(f"{where}eps must be finite and > 0, got {eps}")
+    if not (0 <= wd < math.inf):
+        raise ValueError(f"{where}weight_decay must be finite and >= 0, got {wd}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
+
+
+def _lr_on_device(lr):
+    """A one-element lr tensor off the CPU: reading its value would wait for the device."""
+    return torch.is_tensor(lr) and lr.device.type != "cpu" and lr.numel() == 1
+
+
+def _hparams_key(group):
+    """What `_check_hparams` looks at in a group, comparable without waiting for the device: a
+    CPU lr tensor by its value (also changed in place), a device one by its identity."""
+    lr, betas = group["lr"], group["betas"]
+    if torch.is_tensor(lr):
+        lr = (id(lr), None if _lr_on_device(lr) or lr.numel() != 1 else lr.item())
+    return lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas, group["eps"], group["weight_decay"]
+
+
+def _quantizer_config(presets, preset, block_size, m_codebook, m_rounding, v_codebook, v_rounding, eden,
+                      lm_head_sr_after):
+    """The preset's components with the given overrides (None keeps the preset's; for
+    lm_head_sr_after the marker "preset" does), checked: AdamW4bit.qcfg."""
+    if eden is not None and not isinstance(eden, bool):
+        raise TypeError(f"eden must be True, False or None (the preset's), got {eden!r}")
+    cfg = dict(presets[preset])
+    for k, v in dict(m_codebook=m_codebook, m_rounding=m_rounding, v_codebook=v_codebook,
+                     v_rounding=v_rounding, eden=eden).items():
+        if v is not None:
+            cfg[k] = v
+    if lm_head_sr_after != "preset":
+        cfg["lm_head_sr_after"] = lm_head_sr_after
+    quantized = cfg["m_codebook"] is not None
+    if quantized or any(x is not None for x in (m_codebook, v_codebook, m_rounding, v_rounding)):
+        for k in ("m_codebook", "v_codebook"):
+            if cfg[k] is None:
+                raise ValueError(f"{k} must be set when the other moment is quantized "
+                                 f"(preset {preset!r})")
+            try:
+                get_codebook(cfg[k])  # validates the name / levels
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{k}: {e}") from None
+        if cfg["m_rounding"] not in ROUNDINGS:
+            raise ValueError(f"m_rounding must be one of {ROUNDINGS}, got {cfg['m_rounding']!r}")
+        if cfg["v_rounding"] not in V_ROUNDINGS:
+            raise ValueError(f"v_rounding must be one of {V_ROUNDINGS}, got {cfg['v_rounding']!r}")
+        if cfg["v_rounding"].startswith("update") and get_codebook(cfg["v_codebook"])[0] < 0:
+            raise ValueError(f"v_rounding={cfg['v_rounding']!r} needs a nonnegative v_codebook, "
+                             f"got {cfg['v_codebook']!r}")
+    if not quantized and cfg["eden"]:
+        raise ValueError("eden=True needs quantized moments; preset 'fp32' keeps FP32 states")
+    sr_after = cfg["lm_head_sr_after"]
+    if sr_after is not None and not (isinstance(sr_after, (int, float)) and 0.0 <= sr_after <= 1.0):
+        raise ValueError(f"lm_head_sr_after must be None or a number in [0, 1], got {sr_after!r}")
+    cfg.update(preset=preset, block_size=block_size)
+    return cfg
+
+
+def check_new_group(opt, group):
+    """add_param_group's checks of the group just appended."""
+    check_group(opt, len(opt.param_groups) - 1, group)
+    if not isinstance(group["quantize"], bool):
+        raise TypeError(f"param group {len(opt.param_groups) - 1}: quantize must be True (4-bit "
+                        f"states where eligible) or False (FP32 states), got {group['quantize']!r}")
+    for p in group["params"]:
+        if p.dtype not in KERNEL_DTYPES:
+            raise TypeError(f"AdamW4bit needs float32, bfloat16 or float16 parameters, got {p.dtype} "
+                            f"of shape {tuple(p.shape)}")
+        if p.dtype == torch.float16 and (opt.qcfg["param_rounding"] == "sr"
+                                         or opt.qcfg["master_weight_bits"]):
+            what = "param_rounding='sr'" if opt.qcfg["param_rounding"] == "sr" else "master_weight_bits=24"
+            raise TypeError(f"{what} is for bfloat16 parameters (float16 ones are written round-to-"
+                            f"nearest); got float16 of shape {tuple(p.shape)}")
+
+
+def check_group(opt, gi, group, lr_value=True):
+    """The hyperparameter checks of group gi (`_check_hparams`; with capturable=True, betas whose
+    bias corrections reach 1 within the table's rows). lr_value=False skips the value of a
+    one-element lr tensor on the GPU (reading it waits for the GPU); its shape and a CPU
+    tensor's value are checked."""
+    where = f"param group {gi}: "
+    _check_hparams(dict(group, lr=0.0) if not lr_value and _lr_on_device(group["lr"]) else group, where)
+    if opt.capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= _BIAS_ROWS_MAX
+                               for b in group["betas"]):
+        raise ValueError(f"{where}capturable=True needs betas whose bias corrections reach 1 within "
+                         f"{_BIAS_ROWS_MAX} steps (beta < ~0.99999), got {tuple(group['betas'])}; use "
+                         "capturable=False")
+    opt._checked[gi] = _hparams_key(group)
+
+
+def check_changed_groups(opt):
+    """Checks again each group whose lr, betas, eps or weight_decay changed since its last check
+    (a scheduler, user code, load_state_dict): a bad value is a clear error before the step, not
+    a NaN weight or a math error inside it. One tuple comparison per group and step."""
+    for gi, group in enumerate(opt.param_groups):
+        if opt._checked.get(gi) != _hparams_key(group):
+            check_group(opt, gi, group, lr_value=False)
+
+
+def use_adamw_kernel(opt, p, interp):
+    # adamw_step_triton for an FP32-state tensor: 16-bit parameters (FP32 ones take torch's
+    # fused AdamW), contiguous, on CUDA (or CPU with TRITON_INTERPRET=1 and impl="triton")
+    return p.dtype in (torch.bfloat16, torch.float16) and p.grad.dtype in KERNEL_DTYPES and \
+        p.is_contiguous() and p.grad.is_contiguous() and opt.impl != "torch" and \
+        (p.is_cuda or (interp and opt.impl == "triton"))
+
+
+def use_triton(opt, p, interp):
+    # the 4-bit kernel for quantized p (impl, device, dtypes, contiguity); impl='triton' where it
+    # cannot run is a ValueError saying why
+    if opt._kernel_tabs is None:
+        return False
+    ok = (p.is_cuda or interp) and p.dtype in KERNEL_DTYPES and p.is_contiguous() and \
+        p.grad.dtype in KERNEL_DTYPES and p.grad.is_contiguous()
+    if opt.impl == "triton" and not ok:
+        raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
+                         "contiguous float32/bfloat16/float16 parameters and gradients; got a "
+                         f"{'' if p.is_contiguous() else 'non-contiguous '}{p.device} {p.dtype} "
+                         f"parameter of shape {tuple(p.shape)} with a "
+                         f"{'' if p.grad.is_contiguous() else 'non-contiguous '}{p.grad.dtype} gradient "
+                         "(use .contiguous() parameters or impl='auto')")
+    return ok and (p.is_cuda or opt.impl == "triton")

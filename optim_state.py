@@ -1,0 +1,324 @@
+"""
+AdamW4bit's states: creation, the layouts of state_dict() and load_state_dict(), and FSDP2
+(DTensor) parameters, whose step runs on each rank's local shard. Functions of the optimizer
+(`opt`) that touch opt.state only, never the step's arithmetic.
+"""
+import torch
+
+from launch_tables import KERNEL_DTYPES
+from param_write import join_master, write_param
+from sr_bits import SHARD_SEED_STRIDE
+
+try:                       # FSDP2 parameters are DTensors; builds without torch.distributed have none
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:
+    DTensor = None
+
+# ============================================================================================
+# FSDP2 (DTensor) parameters: the step runs on each rank's local shard
+#
+# fully_shard makes every parameter a DTensor sharded on dim 0 (Shard(0); HSDP adds Replicate
+# mesh dims): a rank holds a contiguous range of rows. Eligibility for 4-bit states is decided on
+# the global tensor (DTensor.numel() is the global count), so a tensor's state precision never
+# depends on the number of ranks. When a row holds whole blocks (numel / size(0) a multiple of
+# block_size) every shard is whole blocks at the same global positions for any world size, even
+# and uneven shards alike: the states are DTensors of shape (rows, row_numel / 2) codes and
+# (rows, row_numel / block_size) scales, sharded like the parameter, and each rank steps its own
+# rows. Otherwise (1-D tensors, rows that split blocks, other placements) the shard boundaries may
+# cut a block, so the tensor takes a gathered step: every rank all-gathers param and grad, steps
+# the whole tensor with replicated states (the same bits on every rank) and keeps its own shard;
+# these tensors keep the memory of an unsharded optimizer. SR bits: each local shard draws its own
+# stream (its seed index moves with its global block offset), the same bits as the unsharded run
+# only on the shard at offset 0, so SR runs agree with 1 rank in distribution, not bit for bit.
+# With one rank the shard is the whole tensor: nothing is gathered. A parameter stepped on its
+# local tensor (all but the gathered ones) keeps one alias of it, the same object every step, so
+# step() records and replays its plan as for plain tensors: each step only points the aliases'
+# .grad at the gradients' local tensors (_local_params), which FSDP2 allocates anew each step.
+
+
+def _is_dtensor(x):
+    return DTensor is not None and isinstance(x, DTensor)
+
+
+def _block_rows(p, block_size):
+    """True if p's rows are whole blocks: >= 2 dims and numel / size(0) a multiple of block_size."""
+    return p.dim() >= 2 and p.shape[0] > 0 and (p.numel() // p.shape[0]) % block_size == 0
+
+
+def _rows_of_blocks(p, block_size):
+    """True if every shard of DTensor p is whole rows of whole blocks: _block_rows, and all
+    placements Shard(0) or Replicate."""
+    return _block_rows(p, block_size) and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements)
+
+
+_PACKED = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+
+
+def _per_row(p, st, block_size):
+    """A plain tensor p's 4-bit states (st) as state_dict() gives them when p's rows are whole
+    blocks: (rows, row_numel / 2) codes and (rows, row_numel / block_size) scales, views of the
+    flat tensors the step uses. FSDP2 keeps these states in that layout (sharded by rows), so a
+    checkpoint has one layout and DCP moves it between unwrapped and fully_shard models."""
+    if _is_dtensor(p) or "exp_avg_scale" not in st or st["exp_avg"].dim() != 1 or not _block_rows(p, block_size):
+        return st
+    return dict(st, **{k: st[k].view(p.shape[0], -1) for k in _PACKED})
+
+
+def _local_state(p, shape, local_rows, dtype, replicated):
+    """A zero DTensor state of global `shape`: sharded like p by rows (local_rows of them here),
+    or replicated on p's mesh (the gathered step's states)."""
+    if replicated:
+        local = torch.zeros(shape, dtype=dtype, device=p.device)
+        return DTensor.from_local(local, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+    local = torch.zeros((local_rows, *shape[1:]), dtype=dtype, device=p.device)
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def _shard_layout(p, quantized, block_size):
+    """(gathered, seed-index offset, (local shape, global offset)) of DTensor p: fixed for a
+    parameter, so AdamW4bit caches it (the offset computation costs ~50 us)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    box = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    gathered = quantized and not _rows_of_blocks(p, block_size) and p.device_mesh.size() > 1
+    first_block = box[1][0] * (p.numel() // max(p.shape[0], 1)) // block_size if quantized else 0
+    return gathered, 0 if gathered else first_block * SHARD_SEED_STRIDE, box
+
+
+def _local_step_view(p, st, quantized, layout, views):
+    """What the step works on for a DTensor parameter p (module comment above), given its
+    _shard_layout: (param, state, gathered). param: a plain tensor aliasing p's local shard,
+    with .grad the local gradient, kept in `views` (id(p) -> (p's local tensor, alias)) and
+    reused while p keeps its local tensor; or, gathered, the all-gathered tensor (a collective:
+    every rank calls it in the same order). state: plain tensors aliasing st's local states,
+    flat for the quantized ones (the step's layout). The caller copies replaced states and a
+    gathered param's shard back with _write_back."""
+    gathered = layout[0]
+    if gathered:
+        lp = p.full_tensor()
+        lp.grad = p.grad.full_tensor()
+    else:
+        view = views.get(id(p))
+        if view is None or view[0] is not p._local_tensor:
+            view = views[id(p)] = (p._local_tensor, p.to_local().detach())   # the step writes p's shard
+        lp = view[1]
+        lp.grad = p.grad.to_local()
+    local = {k: (v.to_local().view(-1) if quantized else v.to_local()) if torch.is_tensor(v) else v
+             for k, v in st.items()}
+    return lp, local, gathered
+
+
+def _write_back(p, st, lp, local, gathered, box):
+    """After the step on _local_step_view's (lp, local): copy the states that the step replaced
+    (the reference step stores new tensors) into st's local tensors, and a gathered param's own
+    shard (box: its local shape and global offset) into p."""
+    for k, v in local.items():
+        dst = st[k].to_local().view(-1) if torch.is_tensor(v) else None
+        if dst is not None and v.data_ptr() != dst.data_ptr():
+            dst.copy_(v.reshape(-1))
+    if gathered:
+        shape, offset = box
+        p.to_local().copy_(lp[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+
+
+def _local_params(params, grads, views):
+    """FSDP2: the parameters and gradients that step()'s plan key and replay see. Every DTensor
+    parameter with a local alias in `views` (_local_step_view) becomes its local tensor and its
+    gradient the gradient's local tensor, which also becomes the alias's .grad (a recorded plan
+    reads the gradients there); the gathered ones stay DTensors, and fused_step.plan_key gives them no
+    plan. DTensor._local_tensor, not to_local(): ~0.1 us instead of ~1 us a call."""
+    params, grads = list(params), list(grads)
+    for i, p in enumerate(params):
+        view = views.get(id(p))
+        if view is not None:
+            g = grads[i]
+            params[i] = p._local_tensor
+            grads[i] = view[1].grad = None if g is None else g._local_tensor
+    return params, grads
+
+
+def _drop_local_grads(views):
+    # after a step: no reference to FSDP2's gradients outlives zero_grad (their memory is reused)
+    for _, lp in views.values():
+        lp.grad = None
+
+
+# ============================================================================================
+# Creating, fitting, saving and loading states
+
+def init_state(opt, p, group=None):
+    """The zero states of p at its first step (AdamW4bit._init_state)."""
+    st = opt.state[p]
+    if opt.capturable and _is_dtensor(p):
+        raise ValueError("capturable=True does not support FSDP2 (DTensor) parameters; use "
+                         "capturable=False with fully_shard")
+    # a Python number: no tensor op per parameter and step; capturable: a float32 tensor on
+    # p's device, advanced by the step itself (one _foreach_add_ for all)
+    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if opt.capturable else 0.0
+    q = opt.is_quantized(p, group)
+    if q and _is_dtensor(p):   # FSDP2: see _local_step_view
+        B, rows = opt.qcfg["block_size"], p.shape[0]
+        sharded = _rows_of_blocks(p, B)
+        shapes = ((rows, p.numel() // rows // 2), (rows, p.numel() // rows // B)) if sharded else \
+            ((p.numel() // 2,), (p.numel() // B,))
+        for k in ("exp_avg", "exp_avg_sq"):
+            for key, shape, dt in ((k, shapes[0], torch.uint8), (k + "_scale", shapes[1], torch.float32)):
+                st[key] = _local_state(p, shape, p.to_local().shape[0], dt, not sharded)
+    elif q:
+        n, B = p.numel(), opt.qcfg["block_size"]
+        for k in ("exp_avg", "exp_avg_sq"):
+            # scale 0 decodes every code to 0: the zero initial moments of AdamW
+            st[k] = torch.zeros(n // 2, dtype=torch.uint8, device=p.device)
+            st[k + "_scale"] = torch.zeros(n // B, dtype=torch.float32, device=p.device)
+    else:
+        st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    if opt.qcfg["master_weight_bits"] and p.dtype == torch.bfloat16:
+        if _is_dtensor(p):   # the gathered step would pair a full weight with a shard's bytes
+            raise ValueError("master_weight_bits=24 does not support FSDP2 (DTensor) parameters; "
+                             "use master_weight_bits=None (param_rounding='sr' works) or DDP")
+        # eq. MW with e = 0: the master weight starts as the BF16 weight
+        st["param_correction"] = torch.zeros_like(p, dtype=torch.int8)
+    return st
+
+
+def fit_state(opt, p, st):
+    # a state as the step's code paths expect it after the parameter changed dtype (model.to)
+    # or the state was loaded: a BF16 weight's eq. MW correction folded into a parameter cast
+    # to another dtype (the 24-bit master weight becomes its value), a zero one added where
+    # master_weight_bits=24 meets a new BF16 parameter, and contiguous tensors (the kernels
+    # index them flat)
+    corr = st.get("param_correction")
+    if corr is not None and p.dtype != torch.bfloat16:
+        write_param(p.data, join_master(p.detach().bfloat16(), corr.view_as(p)))
+        del st["param_correction"]
+    elif corr is None and p.dtype == torch.bfloat16 and opt.qcfg["master_weight_bits"]:
+        st["param_correction"] = torch.zeros_like(p, dtype=torch.int8, memory_format=torch.contiguous_format)
+    for k, v in st.items():
+        if torch.is_tensor(v) and not v.is_contiguous():
+            st[k] = v.contiguous()
+
+
+def state_dict(opt):
+    """AdamW4bit.state_dict: torch's, then 4-bit states per row (_per_row) and the configuration."""
+    """torch's state dict (param groups with their quantize flags) plus the quantizer
+    configuration, seed, progress and LM-head marks. The 4-bit codes and scales of a tensor
+    whose rows are whole blocks come per row (_per_row: FSDP2's layout, views, no copy)."""
+    sd = torch.optim.Optimizer.state_dict(opt)
+    for i, p in enumerate(opt._params()):   # torch numbers the parameters in group order
+        if i in sd["state"]:
+            sd["state"][i] = _per_row(p, sd["state"][i], opt.qcfg["block_size"])
+    sd["adam4bit"] = {k: opt.qcfg[k] for k in sorted(opt.qcfg)}
+    sd["adam4bit_extra"] = dict(seed=opt.seed, progress=opt.progress, lm_head=[
+        i for i, p in enumerate(opt._params()) if id(p) in opt._lm_head])
+    # torch.distributed.checkpoint's get_/set_optimizer_state_dict keep only "state" and
+    # "param_groups": every saved group carries both entries too, for load_state_dict
+    for g in sd["param_groups"]:
+        g["adam4bit"] = dict(config=sd["adam4bit"], extra=sd["adam4bit_extra"])
+    return sd
+
+
+def load_state_dict(opt, state_dict):
+    """AdamW4bit.load_state_dict: checks, torch's load, then the saved tensors with their own dtypes."""
+    """Load a state_dict() of an AdamW4bit with the same preset, components and block_size;
+    packed codes and scales are restored exactly (and moved to each parameter's device).
+    Also takes the {"state", "param_groups"} dict of set_optimizer_state_dict
+    (torch.distributed.checkpoint): the configuration then comes from the groups.
+    Raises ValueError for a state dict of another configuration or of another optimizer."""
+    groups = state_dict.get("param_groups", [])
+    if "adam4bit" not in state_dict and groups and "adam4bit" in groups[0]:
+        state_dict = dict(state_dict, adam4bit=groups[0]["adam4bit"]["config"],
+                          adam4bit_extra=groups[0]["adam4bit"]["extra"])
+    if "adam4bit" not in state_dict:
+        raise ValueError("not an AdamW4bit state dict (no 'adam4bit' entry); refusing to load")
+    saved = dict(dict(param_rounding="rtn", master_weight_bits=None), **state_dict["adam4bit"])
+    mine = {k: opt.qcfg[k] for k in sorted(opt.qcfg)}
+    def same(a, b):   # codebooks may be tensors (custom levels)
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
+        return a == b
+    diff = {k: (saved.get(k), mine[k]) for k in mine if not same(saved.get(k), mine[k])}
+    if diff:
+        raise ValueError("optimizer state was written with another configuration "
+                         f"(saved, current): {diff}")
+    params = opt._params()
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    saved_q = [g.get("quantize", True) for g in state_dict["param_groups"] for _ in g["params"]]
+    for pid, p, q in zip(saved_ids, params, saved_q):
+        st = state_dict["state"].get(pid, {})
+        quantized = q and opt._eligible(p)     # the saved group's policy, which load adopts
+        if "exp_avg" in st and st["exp_avg"].numel() != (p.numel() // 2 if quantized else p.numel()):
+            raise ValueError(f"optimizer state of parameter {pid} ({st['exp_avg'].numel()} exp_avg "
+                             f"entries) does not fit the parameter of shape {tuple(p.shape)}")
+        if "param_correction" in st and p.dtype != torch.bfloat16:
+            # eq. MW's residual belongs to a BF16 weight; added to another one it would move it
+            raise ValueError(f"optimizer state of parameter {pid} holds a param_correction (saved "
+                             f"with BF16 parameters) but the parameter is {p.dtype}; load it into "
+                             "BF16 parameters, or drop the 'param_correction' entries first")
+    opt._plan_version += 1
+    torch.optim.Optimizer.load_state_dict(opt, {"state": state_dict["state"], "param_groups": [
+        {k: v for k, v in g.items() if k != "adam4bit"} for g in groups]})
+    # torch casts every state tensor to the parameter's dtype (uint8 codes too): put back the
+    # saved tensors with their own dtypes, on the parameter's device.
+    for pid, p in zip(saved_ids, params):
+        st = state_dict["state"].get(pid, {})
+        for k, t in st.items():
+            if k != "step" and torch.is_tensor(t):
+                if k in _PACKED and "exp_avg_scale" in st and not _is_dtensor(p):
+                    t = t.reshape(-1)   # per-row codes and scales (_per_row): the step's flat layout
+                opt.state[p][k] = t.detach().to(device=p.device).clone()
+        if "step" in opt.state[p]:
+            opt.state[p]["step"] = float(opt.state[p]["step"])   # older checkpoints: a tensor
+        if opt.qcfg["master_weight_bits"] and p.dtype == torch.bfloat16 and opt.state[p] \
+                and "param_correction" not in opt.state[p]:
+            # saved with FP32 parameters: eq. MW with e = 0, the master weight is the BF16 weight
+            opt.state[p]["param_correction"] = torch.zeros_like(p, dtype=torch.int8)
+    extra = state_dict.get("adam4bit_extra", {})
+    opt.seed = int(extra.get("seed", opt.seed))
+    opt.progress = float(extra.get("progress", opt.progress))
+    opt._lm_head |= {id(params[i]) for i in extra.get("lm_head", [])}
+
+
+def step_state(opt, p, group, index):
+    """The state of parameter p (number `index` from 1, in `group`) for this step: created at its
+    first step, its step counter of the optimizer's kind (a state loaded from the other kind is
+    converted), fitted to p's dtype (fit_state). Raises RuntimeError for a sparse gradient and
+    TypeError for a parameter or gradient dtype outside KERNEL_DTYPES (e.g. model.double() after
+    construction)."""
+    if p.grad.is_sparse:
+        raise RuntimeError(f"AdamW4bit does not support sparse gradients (parameter {index}, "
+                           f"shape {tuple(p.shape)}); "
+                           "use dense gradients (e.g. nn.Embedding(sparse=False))")
+    st = opt.state[p] if opt.state[p] else init_state(opt, p, group)
+    if opt.capturable != torch.is_tensor(st["step"]):   # a state loaded from the other kind
+        st["step"] = torch.tensor(float(st["step"]), device=p.device) if opt.capturable \
+            else float(st["step"])
+    if p.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"AdamW4bit: parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; "
+                        "allowed: float32, bfloat16, float16")
+    if p.grad.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"AdamW4bit: the gradient of parameter {index} (shape {tuple(p.shape)}) "
+                        f"is {p.grad.dtype}; allowed: float32, bfloat16, float16")
+    if not _is_dtensor(p):
+        fit_state(opt, p, st)
+    return st
+
+
+def local_step(opt, p, st, quantized, index, writeback):
+    """FSDP2: what the step works on for DTensor parameter p (_local_step_view, its layout cached
+    per parameter): (param, state, seed index, gathered); the copy back after the step is
+    appended to `writeback` (arguments of _write_back)."""
+    layout = opt._shard_layouts.get(id(p))
+    if layout is None:
+        layout = opt._shard_layouts[id(p)] = _shard_layout(p, quantized, opt.qcfg["block_size"])
+    lp, local, gathered = _local_step_view(p, st, quantized, layout, opt._local_views)
+    writeback.append((p, st, lp, local, gathered, layout[2]))
+    return lp, local, index + layout[1], gathered
+
+
+def state_nbytes(opt):
+    """AdamW4bit.state_nbytes: the bytes of every state tensor but the step counters (a DTensor's
+    local part)."""
+    local = lambda t: t.to_local() if _is_dtensor(t) else t   # noqa: E731
+    return sum(local(t).numel() * t.element_size() for st in opt.state.values()
+               for k, t in st.items() if k != "step" and torch.is_tensor(t))
