@@ -78,7 +78,6 @@ Their public names are importable from here too.
 """
 import importlib
 import math
-import struct
 
 import torch
 import torch.nn as nn
@@ -90,6 +89,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from philox import philox_words, philox_words_torch
 import pqt_baselines
+from numerics import _f32
 from pqt_checks import (GEN_METHODS, MEMORY_MODES, METHODS, _check_choice, _check_input, _check_layer_args, _check_layer_dtypes, _check_module, _check_noise, _check_out_dtype,
                         _check_sample_args, _check_seed, _check_shape, _check_tiles, _check_weight, _resolve_impl, _seed_tensor)
 from pqt_dispatch import _call_of, _check_recomputed_call, _compute_dtype, _launch, _layer_seed, _register_sample_ops
@@ -389,12 +389,6 @@ def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, db_ptr, seed_ptr, live_ptr, b_s
 
 # ----------------------------------------------------------------------------------------------
 # wrappers: launch configuration, then step (1), the tile maxima, step (2) and the backward
-
-
-def _f32(x):
-    """A Python float rounded to float32, as torch rounds the scalar operand of a float32 tensor
-    op (eq. 11's b_init − b_target in the grad kernel is one, e.g. 2.2)."""
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def _generate_torch(m, n, seed, method):

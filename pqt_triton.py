@@ -7,6 +7,8 @@ import os
 
 import triton
 import triton.language as tl
+
+from numerics import tl_bf16_rne_bits
 from triton.language.extra import libdevice
 
 # the noise R as the apply and grad kernels get it (`_noise_block`'s NOISE)
@@ -79,11 +81,11 @@ def _exp2(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _cast(x, dtype: tl.constexpr):
-    """float32 -> dtype with round-to-nearest-even. BF16 is rounded with integer ops (the GPU's
-    cvt.rn gives the same bits; Triton's interpreter would truncate), NaN stays NaN."""
+    """float32 -> dtype with round-to-nearest-even. BF16 is rounded on the bits
+    (numerics.tl_bf16_rne_bits: the GPU's cvt.rn gives the same bits; Triton's interpreter would
+    truncate), and every NaN becomes 0x7FC0, as torch's cast makes it (the references cast with torch)."""
     if dtype == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        b = (tl_bf16_rne_bits(x.to(tl.int32, bitcast=True)) >> 16) & 0xFFFF
         b = tl.where(x != x, 0x7FC0, b)
         return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     elif dtype == tl.float32:

@@ -51,7 +51,7 @@ from model import GPT, describe, preset_config
 # experiments.py, finetune_hf.py and the tests import them from here.
 from train_checkpoint import (CKPT_FORMAT, CKPT_NAMES, RESUME_DEFAULTS, RESUME_FREE, atomic_write,  # noqa: F401
                               check_dcp_files, check_out_dir, check_resume_config, check_resume_kind, checkpoints_in,
-                              ckpt_kind, ckpt_path, dcp_complete, dcp_state, load_checkpoint, load_dcp_meta,
+                              ckpt_kind, ckpt_path, dcp_complete, dcp_state, load_checkpoint, load_dcp_meta, lock_out_dir,
                               load_state, one_line, resume_is_done, resume_path, run_config, save_checkpoint,
                               save_dcp_checkpoint)
 from train_dist import (Process, clip_grad_norm_local, fsdp_micro_step, setup_distributed, shard_model,  # noqa: F401
@@ -470,7 +470,9 @@ def main(argv=None):
     proc = setup_distributed(args)
     resolve_args(args, parser, proc.device_type == "cuda")
     setup_threads(args, proc)
+    lock = None
     try:
+        lock = lock_out_dir(args, proc)   # this run owns --out_dir until it ends, however it ends
         torch.manual_seed(args.seed)
         if proc.device_type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -499,6 +501,8 @@ def main(argv=None):
         return train(args, proc, model, optimizer, batches, start_iter, best_val,
                      argv=sys.argv[1:] if argv is None else argv)
     finally:
+        if lock is not None:
+            lock.release()
         if proc.ddp:
             dist.destroy_process_group()
 
