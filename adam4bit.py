@@ -454,6 +454,12 @@ class AdamW4bit(torch.optim.Optimizer):
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
+    def __getstate__(self):   # copy.deepcopy and pickle keep the configuration (optim_state.getstate)
+        return optim_state.getstate(self)
+
+    def __setstate__(self, state):
+        optim_state.setstate(self, state)
+
     def state_dict(self):
         """torch's state dict plus the quantizer configuration, seed, progress and LM-head marks;
         codes and scales per row where rows are whole blocks (FSDP2's layout, views)."""

@@ -143,7 +143,7 @@ def probe(setup, n_layer, steps=3, device="cuda"):
 
 def search_largest(fits, guess):
     """The largest n >= 1 with fits(n) not None, for fits false above some n: from `guess` up by
-    25 % steps until one fails (or down by bisection from it), then bisection. Returns
+    50 % steps until one fails (or down by bisection from it), then bisection. Returns
     (n, fits(n)), or (0, None) when even 1 does not fit; None from fits means "does not fit"."""
     lo, hi, best = 0, None, None           # lo fits (0: none yet), hi does not (None: none yet)
     n = max(1, guess)
@@ -153,7 +153,7 @@ def search_largest(fits, guess):
             hi = n
         else:
             lo, best = n, r
-        n = (lo + hi) // 2 if hi is not None else max(lo + 1, int(lo * 1.25))
+        n = (lo + hi) // 2 if hi is not None else max(lo + 1, int(lo * 1.5))
         if hi == 1:
             break
     return lo, best

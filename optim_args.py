@@ -100,12 +100,32 @@ def _lr_on_device(lr):
 
 
 def _hparams_key(group):
-    """What `_check_hparams` looks at in a group, comparable without waiting for the device: a
-    CPU lr tensor by its value (also changed in place), a device one by its identity."""
+    """What `_check_hparams` and `_check_math_keys` look at in a group, comparable without waiting
+    for the device: a CPU lr tensor by its value (also changed in place), a device one by its identity."""
     lr, betas = group["lr"], group["betas"]
     if torch.is_tensor(lr):
         lr = (id(lr), None if _lr_on_device(lr) or lr.numel() != 1 else lr.item())
-    return lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas, group["eps"], group["weight_decay"]
+    return (lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas, group["eps"], group["weight_decay"],
+            tuple(repr(group.get(k)) for k in _MATH_KEYS))
+
+
+# Keys of torch's Adam / AdamW groups whose values change the update, and the value AdamW4bit
+# implements. A group taken from a torch optimizer (AdamW4bit(torch_opt.param_groups)) carries
+# them; ignoring another value would silently train something else (other unknown keys are
+# ignored, as torch does).
+_MATH_KEYS = dict(maximize=False, amsgrad=False, differentiable=False, decoupled_weight_decay=True)
+
+
+def _check_math_keys(group, where):
+    for key, ours in _MATH_KEYS.items():
+        if key not in group or group[key] == ours:
+            continue
+        if key == "decoupled_weight_decay" and group["weight_decay"] == 0:
+            continue   # no decay: L2 and decoupled are the same update
+        raise ValueError(f"{where}{key}={group[key]!r} is not supported: AdamW4bit implements {key}={ours}"
+                         + (" (AdamW's decoupled weight decay, not Adam's L2 penalty)"
+                            if key == "decoupled_weight_decay" else "")
+                         + f"; remove the key or set it to {ours}")
 
 
 def _quantizer_config(presets, preset, block_size, m_codebook, m_rounding, v_codebook, v_rounding, eden,
@@ -171,6 +191,7 @@ def check_group(opt, gi, group, lr_value=True):
     tensor's value are checked."""
     where = f"param group {gi}: "
     _check_hparams(dict(group, lr=0.0) if not lr_value and _lr_on_device(group["lr"]) else group, where)
+    _check_math_keys(group, where)
     if opt.capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= _BIAS_ROWS_MAX
                                for b in group["betas"]):
         raise ValueError(f"{where}capturable=True needs betas whose bias corrections reach 1 within "

@@ -322,3 +322,28 @@ def state_nbytes(opt):
     local = lambda t: t.to_local() if _is_dtensor(t) else t   # noqa: E731
     return sum(local(t).numel() * t.element_size() for st in opt.state.values()
                for k, t in st.items() if k != "step" and torch.is_tensor(t))
+
+
+# ============================================================================================
+# copy.deepcopy and pickle: torch's Optimizer keeps only defaults, state and param_groups
+
+def getstate(opt):
+    """AdamW4bit.__getstate__: torch's three entries plus everything the next steps depend on
+    (quantizer configuration, impl, capturable, seed, progress, the kernel's lookup tables) and the
+    LM-head marks as parameter positions, since a copy's parameters are other tensors. The caches
+    (launch tables, recorded plan, FSDP2 views, device buffers) are rebuilt by the copy."""
+    params = opt._params()
+    return dict(torch.optim.Optimizer.__getstate__(opt), qcfg=opt.qcfg, impl=opt.impl, capturable=opt.capturable,
+                seed=opt.seed, progress=opt.progress, _kernel_tabs=opt._kernel_tabs,
+                lm_head_positions=[i for i, p in enumerate(params) if id(p) in opt._lm_head])
+
+
+def setstate(opt, state):
+    """AdamW4bit.__setstate__: the inverse of getstate, with empty caches."""
+    state = dict(state)
+    heads = state.pop("lm_head_positions", [])
+    torch.optim.Optimizer.__setstate__(opt, state)
+    opt._kernel_cache, opt._plan, opt._plan_version, opt._checked = {}, None, 0, {}
+    opt._shard_layouts, opt._local_views, opt._device_bufs = {}, {}, {}
+    params = opt._params()
+    opt._lm_head = {id(params[i]) for i in heads}

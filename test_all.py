@@ -1984,6 +1984,122 @@ def test_gpu_capturable_step_as_cuda_graph():
         assert float(opts[2].state[ps[2][0]]["step"]) == 6
 
 
+
+@pytest.mark.parametrize("preset", ["zipsr", "torchao"])
+def test_deepcopy_and_pickle_give_an_optimizer_with_the_same_next_steps(preset):
+    """copy.deepcopy and torch.save/pickle (snapshots, EMA tooling, multiprocessing) keep the preset
+    configuration, seed, impl, progress and LM-head mark: the copy's next steps are the original's
+    bit for bit (ZIP-SR's SR bits depend on the seed, the LM head's m rounding on the mark)."""
+    torch.manual_seed(0)
+    model = GPT(preset_config("nano", vocab_size=256))
+    opt = A.AdamW4bit(model.parameters(), lr=1e-3, preset=preset, seed=3, impl="triton")
+    opt.mark_lm_head(model.lm_head.weight)
+    opt.set_progress(0.95)
+
+    def steps(m, o, n):
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(n):
+            x = torch.randint(0, 256, (2, 32), generator=gen)
+            m(x, x)[1].backward()
+            o.step()
+            o.zero_grad()
+        return [p.detach().clone() for p in m.parameters()]
+
+    steps(model, opt, 1)
+    copied = copy.deepcopy((model, opt))
+    buf = io.BytesIO()
+    torch.save((model, opt), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    want = steps(model, opt, 2)
+    for m, o in (copied, loaded):
+        assert (o.seed, o.impl, o.progress, o.qcfg) == (opt.seed, opt.impl, opt.progress, opt.qcfg)
+        assert o.m_rounding_for(m.lm_head.weight) == opt.m_rounding_for(model.lm_head.weight)
+        assert all(torch.equal(a, b) for a, b in zip(steps(m, o, 2), want))
+
+
+@pytest.mark.parametrize("key, value", [("maximize", True), ("amsgrad", True), ("differentiable", True),
+                                        ("decoupled_weight_decay", False)])
+def test_group_keys_that_change_the_math_are_refused(key, value):
+    """Groups taken from torch's optimizers carry these keys; AdamW4bit implements only AdamW's
+    value of each, so another value is a one-line error naming the key (at construction, and
+    when set later, before the step)."""
+    p = torch.nn.Parameter(torch.zeros(4096))
+    with pytest.raises(ValueError, match=rf"^param group 0: {key}={value} is not supported: AdamW4bit implements {key}="):
+        A.AdamW4bit([dict(params=[p], weight_decay=0.1, **{key: value})])
+    A.AdamW4bit(torch.optim.AdamW([p]).param_groups)        # torch AdamW's own values pass
+    opt = A.AdamW4bit([p])
+    opt.param_groups[0][key] = value
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=rf"{key}={value} is not supported"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(4096))                  # nothing stepped
+
+
+def test_adam_groups_without_weight_decay_are_accepted():
+    """decoupled_weight_decay=False (torch's Adam) with weight_decay 0 is the same update."""
+    p = torch.nn.Parameter(torch.zeros(4096))
+    A.AdamW4bit(torch.optim.Adam([p]).param_groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# step_in_backward.py and bench_capacity.py's layer-count search
+
+@pytest.mark.parametrize("preset, pqt", [("torch", False), ("fp32", True), ("torchao", False), ("zipsr", True)])
+def test_step_in_backward_gives_the_ordinary_steps_bit_for_bit(preset, pqt):
+    """Each parameter stepped by its post-accumulate-grad hook (with activation checkpointing, so
+    the hooks fire while later blocks are recomputed) equals the ordinary step after backward, for
+    torch's AdamW, the RTN presets and ZIP-SR (its SR seeds key on the parameter's position), and
+    no gradient is left after backward."""
+    import step_in_backward as sib
+
+    def run(in_backward):
+        torch.manual_seed(0)
+        m = GPT(preset_config("nano-llama", vocab_size=256))
+        if pqt:
+            g.apply_pqt(m, method="gaussws", parts="all")
+        m.checkpoint_blocks = in_backward
+        opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) if preset == "torch"
+               else A.AdamW4bit(m.parameters(), lr=1e-3, preset=preset, impl="triton"))
+        if in_backward:
+            sib.step_in_backward(opt)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randint(0, 256, (2, 32), generator=gen)
+            m(x, x)[1].backward()
+            if in_backward:
+                assert all(p.grad is None for p in m.parameters())
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in m.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+def test_step_in_backward_refuses_what_it_cannot_do():
+    import step_in_backward as sib
+    p = torch.nn.Parameter(torch.zeros(4096))
+    with pytest.raises(ValueError, match="capturable=True"):
+        sib.step_in_backward(A.AdamW4bit([p], capturable=True))
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"already hold a gradient.*zero_grad"):
+        sib.step_in_backward(torch.optim.AdamW([p]))
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 7, 40, 41, 150])
+@pytest.mark.parametrize("guess", [1, 9, 60, 500])
+def test_capacity_search_finds_the_largest_fitting_layer_count(limit, guess):
+    import bench_capacity
+    probed = []
+
+    def fits(n):
+        probed.append(n)
+        return {"n": n} if n <= limit else None
+    n, best = bench_capacity.search_largest(fits, guess)
+    assert n == limit and best == ({"n": limit} if limit else None)
+    assert len(probed) == len(set(probed)) and len(probed) <= 25
+
+
 # =============================================================================================
 # gaussws.py (paper A)
 
@@ -5158,6 +5274,102 @@ def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 35
     with pytest.raises(train.RunError, match="--seed 0 \\(checkpoint\\) vs 1"):
         train.main(args + ["--max_iters", "400", "--seed", "1", "--resume"])
+
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py: runs that meet (one --out_dir per run, resumes across folders, signals)
+
+def _hold_lock(path, ready, pid_box):
+    lock = runlock.FileLock(path)
+    lock.acquire()
+    pid_box.value = os.getpid()
+    ready.set()
+    time.sleep(600)
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_holder_is_reported(corpus, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    ready, pid = ctx.Event(), ctx.Value("i", 0)
+    holder = ctx.Process(target=_hold_lock, args=(str(out / ".lock"), ready, pid), daemon=True)
+    holder.start()
+    try:
+        assert ready.wait(60)
+        with pytest.raises(train.RunError, match=rf"--out_dir {re.escape(str(out))} is in use by another run \(pid {pid.value} "):
+            train.main(base_args(corpus, out, "--max_iters", "2"))
+        assert not os.path.exists(out / "log.jsonl")      # the refused run wrote nothing there
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join()
+    capsys.readouterr()
+    train.main(base_args(corpus, out, "--max_iters", "2"))   # the kernel released the killed holder's lock
+    said = capsys.readouterr().out
+    assert f"the run that held it (pid {pid.value} " in said and "ended without releasing it" in said
+    train.main(base_args(corpus, out, "--max_iters", "3", "--resume"))   # a clean exit leaves no note behind
+    assert "ended without releasing it" not in capsys.readouterr().out
+
+
+def test_resume_into_a_folder_holding_another_run_is_refused_unless_overwrite(corpus, tmp_path):
+    run1, run2, run3 = tmp_path / "run1", tmp_path / "run2", tmp_path / "run3"
+    train.main(base_args(corpus, run1, "--max_iters", "4", "--stop_after", "2"))
+    train.main(base_args(corpus, run2, "--max_iters", "4", "--stop_after", "2", "--seed", "1"))
+    before = open(run2 / "log.jsonl").read(), open(run2 / "ckpt.pt", "rb").read()
+    with pytest.raises(train.RunError, match=r"holds another run's checkpoint .*--overwrite"):
+        train.main(base_args(corpus, run2, "--max_iters", "4", "--resume", str(run1 / "ckpt.pt")))
+    assert (open(run2 / "log.jsonl").read(), open(run2 / "ckpt.pt", "rb").read()) == before   # untouched
+    # into a folder of its own: the continuation's log starts with the run's own records
+    train.main(base_args(corpus, run3, "--max_iters", "4", "--resume", str(run1)))
+    own = read_log(run3)
+    assert [r["iter"] for r in own if r["type"] == "step"] == [0, 1, 2, 3]
+    assert [r["loss"] for r in own if r["type"] == "step"][:2] == [r["loss"] for r in read_log(run1) if r["type"] == "step"]
+    # --overwrite replaces run2 with run1's continuation: no seed-1 record is left in its log
+    train.main(base_args(corpus, run2, "--max_iters", "4", "--resume", str(run1 / "ckpt.pt"), "--overwrite"))
+    numbers = lambda log: [(r["type"], r.get("iter"), r.get("loss"), r.get("val_loss")) for r in log]  # noqa: E731
+    assert numbers(read_log(run2)) == numbers(own)
+    with pytest.raises(train.RunError, match="would remove the checkpoint it resumes"):
+        train.main(base_args(corpus, run2, "--max_iters", "5", "--resume", str(run2 / "ckpt.pt"), "--overwrite"))
+
+
+def test_a_second_signal_exits_at_once_while_a_step_runs(corpus, tmp_path):
+    """A step stuck in one long op: the first SIGINT asks for a checkpoint at the step's end, a
+    second one (after the echo window) ends the process at once with status 130; the first step's
+    checkpoint is there and whole."""
+    out = tmp_path / "o"
+    flags = base_args(corpus, out, "--max_iters", "50", "--eval_interval", "1", "--eval_windows", "0",
+                      "--threads", "1")
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    # step 0 at the default block size writes a checkpoint at step 1; the slow steps come after it
+    code = ("import sys, time, train, model\n"
+            "fwd = model.GPT.forward\n"
+            "def slow(self, *a, **k):\n"
+            "    if self.training and train_steps[0] > 1:\n"
+            "        time.sleep(3600)\n"
+            "    train_steps[0] += self.training\n"
+            "    return fwd(self, *a, **k)\n"
+            "train_steps = [0]\n"
+            "model.GPT.forward = slow\n"
+            f"train.main({flags!r})\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not os.path.exists(out / "ckpt.pt") and time.time() < deadline:
+            time.sleep(0.2)
+        assert os.path.exists(out / "ckpt.pt")
+        time.sleep(1)
+        p.send_signal(signal.SIGINT)
+        time.sleep(train.Interrupts.ECHO_S + 0.5)
+        assert p.poll() is None                       # the first signal waits for the step boundary
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=30)
+    finally:
+        p.kill()
+    said = p.stdout.read()
+    assert rc == 130, said
+    assert "SIGINT again: exiting now" in said
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter"] == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,9 +50,9 @@ from model import GPT, describe, preset_config
 # The machinery lives in the train_*.py files; the names below are also train's own, as bench.py,
 # experiments.py, finetune_hf.py and the tests import them from here.
 from train_checkpoint import (CKPT_FORMAT, CKPT_NAMES, RESUME_DEFAULTS, RESUME_FREE, atomic_write,  # noqa: F401
-                              check_dcp_files, check_out_dir, check_resume_config, check_resume_kind, checkpoints_in,
-                              ckpt_kind, ckpt_path, dcp_complete, dcp_state, load_checkpoint, load_dcp_meta, lock_out_dir,
-                              load_state, one_line, resume_is_done, resume_path, run_config, save_checkpoint,
+                              check_dcp_files, check_out_dir, check_resume_config, check_resume_kind,
+                              check_resume_target, checkpoints_in, ckpt_kind, ckpt_path, dcp_complete, dcp_state,
+                              load_checkpoint, load_dcp_meta, load_state, lock_out_dir, one_line, resume_is_done, resume_path, run_config, save_checkpoint,
                               save_dcp_checkpoint)
 from train_dist import (Process, clip_grad_norm_local, fsdp_micro_step, setup_distributed, shard_model,  # noqa: F401
                         unsharded)
@@ -481,6 +481,8 @@ def main(argv=None):
         if args.resume:
             check_resume_kind(args)
         ckpt = load_checkpoint(resume_path(args)) if args.resume else None  # a bad file fails before data
+        if ckpt is not None:
+            check_resume_target(args)
         set_grad_accum(args, proc.world, ckpt)
         batches = setup_data(args, proc)
         model, replaced = setup_model(args, proc, batches)

@@ -75,21 +75,12 @@ def _inside(path, folder):
 
 def check_out_dir(args, proc):
     """RunError (one line) before any data or model: a fresh run would replace a checkpoint of either
-    kind in --out_dir (without --overwrite); --resume PATH from another folder would continue into an
-    --out_dir holding another run's checkpoint or log.jsonl (without --overwrite), or --overwrite would
-    remove the checkpoint --resume loads; --out_dir cannot be created or written (with the reason)."""
+    kind in --out_dir (without --overwrite), --overwrite would remove the checkpoint --resume loads,
+    or --out_dir cannot be created or written (with the reason)."""
     found = checkpoints_in(args.out_dir)
     if args.resume and args.overwrite and (args.resume == "auto" or _inside(resume_path(args), args.out_dir)):
         raise RunError(f"--overwrite with --resume {args.resume}: it would remove the checkpoint it resumes; "
                        f"drop --overwrite to continue the run in --out_dir {args.out_dir}")
-    if args.resume and args.resume != "auto" and not args.overwrite and not _inside(resume_path(args), args.out_dir):
-        log = os.path.join(args.out_dir, "log.jsonl")
-        theirs = found + ([log] if os.path.exists(log) else [])
-        if theirs:
-            raise RunError(f"--out_dir {args.out_dir} holds another run's {'checkpoint' if found else 'log'} "
-                           f"({theirs[0]}): continuing {resume_path(args)} there would replace it and mix the two "
-                           f"runs' log.jsonl; give the continuation an --out_dir of its own, or add --overwrite "
-                           f"to replace what is there")
     if not args.resume and not args.overwrite and found:
         if found == [os.path.join(args.out_dir, "ckpt.tmp")] and not dcp_complete(found[0]):
             raise RunError(f"--out_dir {args.out_dir} holds only {found[0]}, an FSDP2 checkpoint whose writing "
@@ -109,6 +100,22 @@ def check_out_dir(args, proc):
             os.fsync(f.fileno())
     except OSError as e:
         raise RunError(f"--out_dir {args.out_dir}: cannot write there ({e.strerror or e})") from None
+
+
+def check_resume_target(args):
+    """RunError (one line) when --resume PATH from another folder would continue into an --out_dir
+    that holds another run's checkpoint or log.jsonl (without --overwrite): its checkpoint would be
+    replaced and the two runs' records mixed in one log. Called once PATH has loaded, so a bad
+    file is named first."""
+    if not args.resume or args.resume == "auto" or args.overwrite or _inside(resume_path(args), args.out_dir):
+        return
+    log = os.path.join(args.out_dir, "log.jsonl")
+    theirs = checkpoints_in(args.out_dir) + ([log] if os.path.exists(log) else [])
+    if theirs:
+        raise RunError(f"--out_dir {args.out_dir} holds another run's {'log' if theirs[0] == log else 'checkpoint'} "
+                       f"({theirs[0]}): continuing {resume_path(args)} there would replace it and mix the two "
+                       f"runs' log.jsonl; give the continuation an --out_dir of its own, or add --overwrite "
+                       f"to replace what is there")
 
 
 def ckpt_path(args, folder=None):
