@@ -22,7 +22,7 @@ What it cannot do, and what to do instead:
 import torch
 
 
-def step_in_backward(optimizer):
+def step_in_backward(optimizer, on_grad=None):
     """Make `loss.backward()` step every parameter of optimizer as its gradient completes, then
     free that gradient (p.grad = None). After this, call only `loss.backward()` per training step:
     no `optimizer.step()` or `zero_grad()`; learning-rate changes go into `param_groups` before
@@ -30,6 +30,8 @@ def step_in_backward(optimizer):
 
     optimizer: a torch.optim.Optimizer that skips parameters whose .grad is None and keeps its
         step count per parameter (torch's AdamW, adam4bit.AdamW4bit).
+    on_grad: optional callable(p), called with each complete gradient before its step (e.g. to
+        sum the squared gradient norm a log reports).
     Returns the hook handles (`h.remove()` each to go back to ordinary steps).
     Raises ValueError for a capturable AdamW4bit, or a parameter that already holds a gradient
     (its step would then include gradients of other parameters).
@@ -44,6 +46,8 @@ def step_in_backward(optimizer):
                          f"hold a gradient; call optimizer.zero_grad(set_to_none=True) first")
 
     def hook(p):
+        if on_grad is not None:
+            on_grad(p)
         optimizer.step()
         p.grad = None
 

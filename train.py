@@ -47,6 +47,7 @@ import adam4bit
 import data as datamod
 import gaussws
 from model import GPT, describe, preset_config
+from step_in_backward import step_in_backward
 # The machinery lives in the train_*.py files; the names below are also train's own, as bench.py,
 # experiments.py, finetune_hf.py and the tests import them from here.
 from train_checkpoint import (CKPT_FORMAT, CKPT_NAMES, RESUME_DEFAULTS, RESUME_FREE, atomic_write,  # noqa: F401
@@ -140,6 +141,7 @@ def setup_model(args, proc, batches):
                                      b_target=args.b_target, seed=args.seed, memory=args.pqt_memory)
     if args.param_dtype == "bf16":
         params_to_bf16(model)
+    model.checkpoint_blocks = args.activation_checkpointing
     if args.tokens_per_param is not None:
         args.max_iters = max(1, math.ceil(args.tokens_per_param * model.num_params() / tokens_per_step(args)))
         if args.stop_after is not None and args.stop_after > args.max_iters:
@@ -296,6 +298,12 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
     bits = bits_params(raw_model)
     penalty = bool(args.bits_lambda) and bool(bits)
     accum = args.grad_accum // proc.world  # micro-batches per step on this rank
+    if args.step_in_backward:   # each parameter steps in its gradient's hook; the squares sum for the log
+        if accum > 1:
+            raise RunError(f"--step_in_backward with --grad_accum {args.grad_accum} (the checkpoint's): each "
+                           f"micro-step would step on a partial gradient; resume with --grad_accum 1")
+        sq = torch.zeros((), device=proc.device)
+        step_in_backward(optimizer, on_grad=lambda p: sq.add_(p.grad.detach().float().square().sum()))
     stop = end_iter(args)
     log = RunLog(args, proc, start_iter, best_val)
     interrupts = Interrupts(proc)
@@ -346,10 +354,14 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
             if proc.ddp:
                 dist.all_reduce(loss_sum)  # SUM (gloo has no AVG); divided by world below
             clip = args.grad_clip if args.grad_clip > 0 else float("inf")
-            gnorm = (clip_grad_norm_local(raw_model.parameters(), clip, proc.world) if args.fsdp
-                     else torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if args.step_in_backward:     # stepped already, in backward
+                gnorm = sq.sqrt()
+                sq.zero_()
+            else:
+                gnorm = (clip_grad_norm_local(raw_model.parameters(), clip, proc.world) if args.fsdp
+                         else torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             stats = [loss_sum / (accum * proc.world), gnorm.float()]
             if bits:
                 stats.append(mean_bt(bits, args.b_init, args.b_target, proc.world))

@@ -22,7 +22,8 @@ CKPT_FORMAT = "gaussws-adam4bit-train-v1"
 # what is trained, or (max_iters, tokens_per_param) they extend the run under a recomputed
 # schedule; every other setting must match.
 RESUME_FREE = {"resume", "stop_after", "out_dir", "compile", "compile_mode", "eval_interval", "eval_windows", "device",
-               "data_dir", "plot", "overwrite", "max_iters", "tokens_per_param", "threads", "capturable"}
+               "data_dir", "plot", "overwrite", "max_iters", "tokens_per_param", "threads", "capturable",
+               "activation_checkpointing", "step_in_backward"}
 # flags added after checkpoints were written: their value when the checkpoint has none
 RESUME_DEFAULTS = dict(param_dtype="fp32", param_rounding="rtn", master_weight_bits=None)
 

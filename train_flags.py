@@ -96,6 +96,13 @@ def build_parser():
     g.add_argument("--beta2", type=float, default=0.95)
     g.add_argument("--eps", type=float, default=1e-8)
     g.add_argument("--grad_clip", type=float, default=1.0, help="global grad-norm clip; 0 = off")
+    g.add_argument("--activation_checkpointing", action="store_true",
+                   help="keep only each transformer block's input and recompute the block in backward "
+                        "(torch.utils.checkpoint, non-reentrant): activations of one block at a time")
+    g.add_argument("--step_in_backward", action="store_true",
+                   help="step each parameter as soon as its gradient is complete and free the gradient "
+                        "(step_in_backward.py): no full set of gradients; needs --grad_clip 0, one micro-step "
+                        "per step, one process")
     g = p.add_argument_group("batch and length")
     g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch per GPU")
     g.add_argument("--grad_accum", type=int, default=None,
@@ -225,6 +232,7 @@ def resolve_args(args, parser, cuda):
                      f"warmup and cooldown must fit in the run")
     check_optimizer_flags(parser, args)
     check_fsdp_flags(parser, args)
+    check_memory_flags(parser, args)
     for name in ("b_init", "b_target"):  # GaussWSLinear's range
         check_range(parser, name, getattr(args, name), lo=gaussws.B_MIN, hi=gaussws.B_MAX)
     if args.b_target > args.b_init:
@@ -278,6 +286,24 @@ def say_ignored_flags(args, parser):
                           f"--{name} {value} (with {why})")
     if unread:
         say(f"note: not used by this run: {', '.join(unread)}")
+
+
+def check_memory_flags(parser, args):
+    """parser.error (one line) for --step_in_backward with what needs every gradient at once, and
+    --activation_checkpointing where its recomputation would draw other noise."""
+    if args.step_in_backward:
+        why = ("--grad_clip {:g}: clipping by the global norm needs every gradient before the first step; "
+               "add --grad_clip 0".format(args.grad_clip) if args.grad_clip > 0 else
+               f"--grad_accum {args.grad_accum}: each micro-step would step on a partial gradient; use "
+               f"--grad_accum 1 and a larger --batch_size" if (args.grad_accum or 1) > 1 else
+               "under torchrun the gradients are all-reduced after backward, after the step; run one process"
+               if int(os.environ.get("WORLD_SIZE", 1)) > 1 else
+               "--capturable: the captured step updates every parameter at once" if args.capturable else None)
+        if why:
+            parser.error(f"--step_in_backward with {why}")
+    if args.activation_checkpointing and args.compile and args.method != "bf16":
+        parser.error(f"--activation_checkpointing with --compile and --method {args.method}: the compiled "
+                     f"recomputation would draw the next noise seed, not the forward's; add --no-compile")
 
 
 def check_fsdp_flags(parser, args):
