@@ -3,7 +3,7 @@ Advisory file locks that name their holder: one run owns its --out_dir, one proc
 
 A lock is `fcntl.flock` on a small file. The kernel releases a flock when its holder exits in any
 way, kill -9 included, so a lock never outlives its process. The holder writes a note (pid, host,
-start time, command) into the file and empties it on a clean release. A non-empty note found by the
+start time, command) into the file and removes the file on a clean release. A note found by the
 next holder therefore means the previous one was killed; `acquire` returns that note so the caller
 can say so. A busy lock either waits (corpus preparation) or raises `Locked` naming the holder
 (a second run into a folder in use).
@@ -49,29 +49,37 @@ def _read_note(f):
 
 
 class FileLock:
-    """Exclusive advisory lock on `path` (created if missing, never deleted: unlinking a locked
-    file would let a second process lock a new file of the same name).
+    """Exclusive advisory lock on `path` (created if missing, removed on a clean release).
 
     acquire(wait) -> the note a killed holder left (dict) or None; raises Locked when not waiting
-    and the lock is busy. release() empties the note and unlocks; safe to call twice.
+    and the lock is busy. release() removes the file and unlocks; safe to call twice. The file is
+    removed while still locked, so a process that opened it before may lock a file no longer at
+    `path`: acquire checks that the file it locked is still the one at `path`, and retries if not.
     Usable as a context manager (waits)."""
 
     def __init__(self, path):
         self.path, self._f = path, None
 
     def acquire(self, wait=False, on_wait=None):
-        f = open(self.path, "a+")
-        if fcntl is not None:
+        while True:
+            f = open(self.path, "a+")
+            if fcntl is not None:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _read_note(f) or {}
+                    if not wait:
+                        f.close()
+                        raise Locked(self.path, holder) from None
+                    if on_wait is not None:
+                        on_wait(holder)
+                    fcntl.flock(f, fcntl.LOCK_EX)
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_note(f) or {}
-                if not wait:
-                    f.close()
-                    raise Locked(self.path, holder) from None
-                if on_wait is not None:
-                    on_wait(holder)
-                fcntl.flock(f, fcntl.LOCK_EX)
+                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+            except FileNotFoundError:   # released (and removed) while we waited: lock the next file
+                pass
+            f.close()
         stale = _read_note(f)
         f.seek(0)
         f.truncate()
@@ -85,9 +93,10 @@ class FileLock:
         f, self._f = self._f, None
         if f is None:
             return
-        f.seek(0)
-        f.truncate()
-        f.flush()
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
         if fcntl is not None:
             fcntl.flock(f, fcntl.LOCK_UN)
         f.close()

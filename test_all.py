@@ -4423,7 +4423,8 @@ def test_runlock_names_a_live_holder_and_reports_a_killed_one(tmp_path):
     stale = lock.acquire(wait=False)           # not a hang: the kernel released the killed holder's lock
     assert stale["pid"] == pid                 # and its note says who it was
     lock.release()
-    assert runlock.FileLock(path).acquire(wait=False) is None   # a clean release leaves no note
+    assert not os.path.exists(path)            # a clean release removes the file
+    assert runlock.FileLock(path).acquire(wait=False) is None   # and leaves no note
 
 
 def test_edited_or_renamed_source_is_prepared_again(tmp_path, capsys):
@@ -5309,6 +5310,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_holder_is_rep
     assert f"the run that held it (pid {pid.value} " in said and "ended without releasing it" in said
     train.main(base_args(corpus, out, "--max_iters", "3", "--resume"))   # a clean exit leaves no note behind
     assert "ended without releasing it" not in capsys.readouterr().out
+    assert not os.path.exists(out / ".lock")                               # nor the lock file
 
 
 def test_resume_into_a_folder_holding_another_run_is_refused_unless_overwrite(corpus, tmp_path):
@@ -5369,7 +5371,7 @@ def test_a_second_signal_exits_at_once_while_a_step_runs(corpus, tmp_path):
     flags = base_args(corpus, out, "--max_iters", "50", "--eval_interval", "1", "--eval_windows", "0",
                       "--threads", "1")
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-    # step 0 at the default block size writes a checkpoint at step 1; the slow steps come after it
+    # steps 0 and 1 run (a checkpoint before steps 1 and 2), step 2's forward never ends
     code = ("import sys, time, train, model\n"
             "fwd = model.GPT.forward\n"
             "def slow(self, *a, **k):\n"
@@ -5384,9 +5386,10 @@ def test_a_second_signal_exits_at_once_while_a_step_runs(corpus, tmp_path):
                          stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
-        while not os.path.exists(out / "ckpt.pt") and time.time() < deadline:
+        def saved():   # ckpt.pt is replaced atomically: whatever is there loads
+            return torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] if os.path.exists(out / "ckpt.pt") else 0
+        while saved() < 2 and time.time() < deadline:
             time.sleep(0.2)
-        assert os.path.exists(out / "ckpt.pt")
         time.sleep(1)
         p.send_signal(signal.SIGINT)
         time.sleep(train.Interrupts.ECHO_S + 0.5)
@@ -5398,7 +5401,7 @@ def test_a_second_signal_exits_at_once_while_a_step_runs(corpus, tmp_path):
     said = p.stdout.read()
     assert rc == 130, said
     assert "SIGINT again: exiting now" in said
-    assert torch.load(out / "ckpt.pt", weights_only=False)["iter"] == 1
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def lock_out_dir(args, proc):
     try:
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as e:
-        raise RunError(f"--out_dir {args.out_dir}: cannot create it ({e.strerror or e})") from None
+        raise RunError(f"--out_dir {args.out_dir}: cannot write there ({e.strerror or e})") from None
     lock = runlock.FileLock(os.path.join(args.out_dir, ".lock"))
     try:
         stale = lock.acquire(wait=False)
