@@ -178,7 +178,9 @@ def main(argv=None):
                                command="python bench.py " + shlex.join(argv)))
     if args.only == "capacity":
         from bench_capacity import bench_capacity
-        save("capacity", dict(bench_capacity(), command="python bench.py " + shlex.join(argv)))
+        cmd = "python bench.py " + shlex.join(argv)
+        save("capacity", dict(bench_capacity(on_row=lambda rows: save("capacity", dict(rows=rows, partial=True,
+                                                                                          command=cmd))), command=cmd))
     if args.only == "ddp":
         if torch.cuda.device_count() < 2:
             raise SystemExit("--only ddp needs 2 GPUs")

@@ -75,11 +75,17 @@ def make_optimizer(kind, params):
     raise ValueError(f"optimizer kind={kind!r}; allowed: torch, zipsr, zipsr-mw24, torchao, flashoptim")
 
 
+def _nbytes(t):
+    # a tensor subclass (TorchAO's 4-bit states) holds its bytes in inner tensors: count those
+    if hasattr(t, "__tensor_flatten__"):
+        return sum(_nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
 def _state_bytes(opt):
     if hasattr(opt, "state_nbytes"):
         return int(opt.state_nbytes())
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if torch.is_tensor(v) and v.dim() > 0)
+    return sum(_nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
 def probe(setup, n_layer, steps=3, device="cuda"):
@@ -164,9 +170,11 @@ def largest(setup, device="cuda"):
     The search starts where the setup's bytes/param put the whole GPU's memory."""
     arith = SETUPS[setup][4]
     total = torch.cuda.get_device_properties(device).total_memory
-    d, f, kv = WIDTH_7B["n_embd"], WIDTH_7B["ffn_hidden"], WIDTH_7B["n_kv_head"] * (d // WIDTH_7B["n_head"])
+    d, f = WIDTH_7B["n_embd"], WIDTH_7B["ffn_hidden"]
+    kv = WIDTH_7B["n_kv_head"] * (d // WIDTH_7B["n_head"])
     per_layer = 2 * d * d + 2 * d * kv + 3 * d * f
-    if make_optimizer(SETUPS[setup][1], [torch.nn.Parameter(torch.zeros(256, device=device))]) is None:
+    dtype = torch.bfloat16 if SETUPS[setup][0] == "bf16" else torch.float32
+    if make_optimizer(SETUPS[setup][1], [torch.nn.Parameter(torch.zeros(256, device=device, dtype=dtype))]) is None:
         return None
 
     def fits(n):
@@ -177,15 +185,17 @@ def largest(setup, device="cuda"):
     return search_largest(fits, int(0.9 * total / (per_layer * arith)))[1]
 
 
-def bench_capacity(setups=tuple(SETUPS), device="cuda"):
+def bench_capacity(setups=tuple(SETUPS), device="cuda", on_row=None):
     """Largest layer count per setup, then one fixed model that only the 4-bit setups fit trained
-    by each of them (5 steps). Returns the JSON-ready dict."""
+    by each of them (5 steps). Returns the JSON-ready dict; on_row(rows) after each setup."""
     rows = {}
     for s in setups:
         r = largest(s, device)
         if r is None:
             continue
         rows[s] = r
+        if on_row is not None:
+            on_row(rows)
         print(f"{s:60s} {r['n_layer']:4d} layers {r['params'] / 1e9:6.2f}B params peak {r['peak_GiB']:6.1f} GiB "
               f"state {r['total_measured']:.3f} B/param (arith {r['total_arithmetic']}) "
               f"{r['tokens_per_s']:7.0f} tok/s", flush=True)
