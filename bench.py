@@ -149,7 +149,9 @@ def main(argv=None):
         if args.only == "plots":
             experiments.main(["plots"])
         else:   # --only quality is training runs: CPU works (slowly)
-            experiments.run_quality(args, ap, "bench.py", "python bench.py " + shlex.join(argv))
+            # the JSON's command in one spelling, experiments.py's (the README's), whichever runs it
+            rest = [a for a in argv if a not in ("--only", "quality", "--only=quality")]
+            experiments.run_quality(args, ap, "bench.py", "python experiments.py quality " + shlex.join(rest))
         return
     if not torch.cuda.is_available():
         raise SystemExit(f"bench.py {'--only ' + args.only if args.only else '(all sections)'} needs a CUDA "

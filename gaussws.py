@@ -617,7 +617,8 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
 
     w: (m, n), m, n >= 1, float32 (bf16/fp16 accepted); b_t: (ceil(m/32), ceil(n/32)) float,
     used as clamp(b_t, B_MIN, B_MAX) = [1, 24] bits (∂L/∂b_t = 0 where clamped); seed: int in
-    [0, 2**63) or int64 tensor [key, counter]; returns w_hat (m, n) in out_dtype (paper: BF16).
+    [0, 2**63) or int64 tensor [key, counter]; returns w_hat (m, n) in out_dtype: BF16 unless
+    given, also for an FP32 w (the paper's w_hat; out_dtype=torch.float32 for FP32).
     fused=True generates R inside the apply/grad kernels (GaussWS only; same R, same result).
     A NaN in w makes its whole tile NaN (its tile maximum is NaN, as torch's amax); a NaN b_t
     makes its tile NaN, with ∂L/∂b_t = 0 there (values are not checked: that would wait for the

@@ -7,6 +7,8 @@ itself is gaussws.py's.
 import fnmatch
 import random
 import re
+import warnings
+import weakref
 
 import torch
 import torch.nn as nn
@@ -154,7 +156,8 @@ def _module_filter(modules):
 
 
 def _few(names, k=8):
-    return ", ".join(names[:k]) + (f", ... ({len(names)} in all)" if len(names) > k else "") or "none"
+    # names quoted: a layer named "0" must not read as a count
+    return ", ".join(map(repr, names[:k])) + (f", ... ({len(names)} in all)" if len(names) > k else "") or "none"
 
 
 def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0, memory="save",
@@ -184,7 +187,9 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     GaussWSLinear). b_init, b_target, seed, memory, impl, fused as in GaussWSLinear; layer seeds
     come from random.Random(seed) in module order (§3.6 seed generator), continuing after the
     GaussWSLinear layers the model already has, so a second call gives its layers other keys than
-    the first's. Returns the names of the replaced
+    the first's. Build the optimizer after apply_pqt: the new b_i are parameters it must hold (an
+    optimizer that steps a layer's weight without its b_i gets a warning at its first step).
+    Returns the names of the replaced
     modules ("blocks.0.attn.qkv", "model.layers.0.self_attn.q_proj", ...), in module order.
     Everything is checked before the model is touched. Raises TypeError (model not an nn.Module,
     seed, modules, lm_head or fused type, a callable's non-bool answer, float64 layers) or
@@ -196,10 +201,11 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     if isinstance(model, nn.Linear) or _is_conv1d(model):
         raise ValueError(f"apply_pqt: the model is itself a linear layer ({type(model).__name__}); apply_pqt "
                          "replaces the layers inside a model: wrap it (nn.Sequential(layer)) or build a GaussWSLinear")
-    sharded = [n or "the model" for n, m in model.named_modules()
+    sharded = [n for n, m in model.named_modules()
                if any(c.__name__ == "FSDPModule" for c in type(m).__mro__)]
     if sharded:   # fully_shard made their parameters DTensors and their classes FSDP subclasses
-        raise ValueError(f"apply_pqt: {_few(sharded)} already went through fully_shard; call apply_pqt "
+        what = "the model" if "" in sharded else _few(sharded)
+        raise ValueError(f"apply_pqt: {what} already went through fully_shard; call apply_pqt "
                          "first, then fully_shard (FSDP2 then gathers w and b_i for each layer's forward)")
     _check_choice("method", method, METHODS)
     _check_choice("memory", memory, MEMORY_MODES)
@@ -276,8 +282,36 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
             layer._name, layer.plain_type = name, type(child)
             new[id(child)] = layer
             replaced.append(name)
+            _B_I_OF[layer.weight] = (layer.b_i, name)
         setattr(parent, cname, new[id(child)])
+    _watch_optimizers()
     return replaced
+
+
+# An optimizer built before apply_pqt holds the weights but not the new b_i, which then never train.
+# A global optimizer-step hook checks each optimizer once, at its first step, and warns naming the
+# layers whose weight it steps without their b_i.
+_B_I_OF = weakref.WeakKeyDictionary()   # weight Parameter -> (its layer's b_i, the layer's name)
+_CHECKED = weakref.WeakSet()            # optimizers already checked
+_HOOK = []
+
+
+def _check_optimizer(opt, args, kwargs):
+    if opt in _CHECKED:
+        return
+    _CHECKED.add(opt)
+    ids = {id(p) for g in opt.param_groups for p in g["params"]}
+    missing = [name for w, (b_i, name) in list(_B_I_OF.items()) if id(w) in ids and id(b_i) not in ids]
+    if missing:
+        warnings.warn(f"{type(opt).__name__} steps the weights of GaussWSLinear {_few(missing)} but not their "
+                      f"b_i: it was built before apply_pqt, so the bitwidths never train. Build the optimizer "
+                      f"after apply_pqt (or add the b_i parameters with add_param_group)", stacklevel=3)
+
+
+def _watch_optimizers():
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
 
 
 # ==============================================================================================

@@ -3364,17 +3364,17 @@ def test_apply_pqt_by_modules_glob_list_and_callable():
     assert g.apply_pqt(two, modules="*") == ["0"] and two[0] is two[2] and two[0].weight is shared.weight
     m = _gpt2_like()
     for kw, err, msg in ((dict(modules="nothing*"), ValueError,
-                          r"modules='nothing\*'\) selects no nn.Linear .*the model's linears: blocks.0.attn.qkv, "),
+                          r"modules='nothing\*'\) selects no nn.Linear .*the model's linears: 'blocks.0.attn.qkv', "),
                          (dict(modules="wte"), ValueError, "never embeddings or norms"),
                          (dict(modules=3), TypeError, "modules=3: allowed: a glob"),
                          (dict(modules=[]), TypeError, r"modules=\[\]"),
                          (dict(modules="*", parts="od"), ValueError, "not both"),
-                         (dict(modules="lm_head"), ValueError, r"but the LM head lm_head \(lm_head=True samples it\)")):
+                         (dict(modules="lm_head"), ValueError, r"but the LM head 'lm_head' \(lm_head=True samples it\)")):
         with pytest.raises(err, match=msg):
             g.apply_pqt(m, **kw)
         assert _untouched(m)
     assert g.apply_pqt(m, modules="lm_head", lm_head=True) == ["lm_head"]
-    with pytest.raises(ValueError, match=r"already GaussWSLinear: lm_head"):
+    with pytest.raises(ValueError, match=r"already GaussWSLinear: 'lm_head'"):
         g.apply_pqt(m, modules="lm_head", lm_head=True)
 
 
@@ -4072,6 +4072,31 @@ def test_gpu_noise_chi_square_67m_draws():
     probs[-3], probs[3] = phi(-5), 1 - phi(5)
     xb = chi2_stat(rb, probs)
     assert chi2_sf(xb, 6) > 1e-6, xb
+
+
+def test_an_optimizer_built_before_apply_pqt_gets_a_warning_naming_the_layers():
+    """It steps the weights but holds no b_i, so the bitwidths would never train: its first step
+    warns once, naming the layers (quoted: a layer may be named "0"); one built after does not."""
+    x = torch.randint(0, 256, (2, 16))
+    model = GPT(preset_config("nano", vocab_size=256))
+    early = torch.optim.AdamW(model.parameters())
+    g.apply_pqt(model)
+    model(x, x)[1].backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        early.step()
+        early.step()
+    assert len(seen) == 1 and "built before apply_pqt" in str(seen[0].message)
+    assert "'blocks.0.attn.qkv'" in str(seen[0].message)
+    seq = nn.Sequential(nn.Linear(64, 64))
+    g.apply_pqt(seq, modules="0")
+    late = A.AdamW4bit(list(model.parameters()) + list(seq.parameters()))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        late.step()
+    assert not seen
+    with pytest.raises(ValueError, match=r"already GaussWSLinear: '0'"):
+        g.apply_pqt(seq, modules="0")
 
 
 # =============================================================================================
@@ -5363,6 +5388,31 @@ def test_memory_flags_refuse_what_they_cannot_do(flags, words, capsys):
     _assert_one_line_flag_error(flags, words, capsys)
 
 
+def test_a_block_size_whose_activations_cannot_fit_is_refused_and_byte_tokens_are_said(corpus, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """--block_size 100000 on the tiny model (one attention op ran for > 10 minutes) needs ~29 GiB of
+    activations: refused on a 16 GiB machine (with checkpointing it fits), and the preset's own
+    context passes."""
+    sizes = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16 * 2 ** 30 // 4096}
+    monkeypatch.setattr(os, "sysconf", lambda name: sizes[name])
+    cpu = argparse.Namespace(device_type="cpu")
+    args = argparse.Namespace(batch_size=16, block_size=100000, activation_checkpointing=False, preset="tiny")
+    with pytest.raises(train.RunError, match=r"^--block_size 100000 with --batch_size 16: one micro-batch's "
+                                             r"activations need at least 29 GiB, more than this device's 16 GiB "
+                                             r"\(the preset's context is 128\); lower --block_size or --batch_size$"):
+        train.check_activations_fit(args, preset_config("tiny", vocab_size=256, block_size=100000), cpu)
+    args.activation_checkpointing = True
+    train.check_activations_fit(args, preset_config("tiny", vocab_size=256, block_size=100000), cpu)
+    args.activation_checkpointing, args.block_size = False, 128
+    train.check_activations_fit(args, preset_config("tiny", vocab_size=256), cpu)
+    monkeypatch.undo()
+    text, data_dir = corpus
+    train.main(["--preset", "gpt2-124m", "--dataset", text, "--data_dir", data_dir, "--tokenizer", "byte",
+                "--batch_size", "1", "--block_size", "32", "--max_iters", "1", "--eval_windows", "0", "--no-plot",
+                "--out_dir", str(tmp_path / "g"), "--no-compile"])
+    assert "with byte tokens: a 256-entry vocabulary, not the gpt2-124m of GPT-2's tokenizer" in capsys.readouterr().out
+
+
 def test_a_second_signal_exits_at_once_while_a_step_runs(corpus, tmp_path):
     """A step stuck in one long op: the first SIGINT asks for a checkpoint at the step's end, a
     second one (after the echo window) ends the process at once with status 130; the first step's
@@ -5958,7 +6008,7 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
     [path] = [os.path.join("results", f) for f in os.listdir("results") if f.endswith("_quality.json")]
     res = json.load(open(path))
     assert path.startswith(os.path.join("results", "cpu_"))
-    assert res["command"].startswith("python bench.py --only quality --preset nano") and "--iters 2" in res["command"]
+    assert res["command"].startswith("python experiments.py quality --preset nano") and "--iters 2" in res["command"]
     assert set(res["experiments"]) == {"pqt"} and res["seeds"] == [3]
     assert set(res["experiments"]["pqt"]) == {"bf16/adamw", "gaussws/adamw", "diffq/adamw", "gaussws/adamw bits_wd 0.5"}
     assert train.read_log(os.path.join("results", "quality_cpu_nano", "bf16_adamw_s3", "log.jsonl"))[-1]["iters"] == 2

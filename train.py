@@ -46,7 +46,7 @@ from tqdm import tqdm
 import adam4bit
 import data as datamod
 import gaussws
-from model import GPT, describe, preset_config
+from model import GPT, PRESETS, describe, preset_config
 from step_in_backward import step_in_backward
 # The machinery lives in the train_*.py files; the names below are also train's own, as bench.py,
 # experiments.py, finetune_hf.py and the tests import them from here.
@@ -134,6 +134,7 @@ def setup_model(args, proc, batches):
     if vocab > 256:  # GPT-2's 50257 -> 50304: a multiple of 64 runs faster
         vocab = -(-vocab // 64) * 64
     cfg = preset_config(args.preset, vocab_size=vocab, block_size=args.block_size)
+    check_activations_fit(args, cfg, proc)
     model = GPT(cfg).to(proc.device)
     replaced = []
     if args.method != "bf16":
@@ -148,6 +149,26 @@ def setup_model(args, proc, batches):
             raise RunError(f"--stop_after {args.stop_after}: must be <= max_iters {args.max_iters} "
                            f"(from --tokens_per_param {args.tokens_per_param:g})")
     return model, replaced
+
+
+def check_activations_fit(args, cfg, proc):
+    """RunError (one line) before the model is built when one micro-batch's activations cannot fit
+    the device's memory: a --block_size far beyond the preset's context would otherwise run out
+    of memory, or on a CPU swap for hours, inside the first step. The estimate is a floor: ~34
+    bytes per token and width per block (Korthikanti et al. 2022, attention's memory linear in
+    the length as with flash attention; ~2 per block and one block's 34 with
+    --activation_checkpointing) plus the float32 logits and their gradient."""
+    B, T, d = args.batch_size, args.block_size, cfg.n_embd
+    per_block = 2 * cfg.n_layer + 34 if args.activation_checkpointing else 34 * cfg.n_layer
+    need = B * T * d * per_block + 8 * B * T * cfg.vocab_size
+    if proc.device_type == "cuda":
+        have = torch.cuda.get_device_properties(proc.device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    if have and need > have:
+        raise RunError(f"--block_size {T} with --batch_size {B}: one micro-batch's activations need at least "
+                       f"{need / 2**30:.0f} GiB, more than this device's {have / 2**30:.0f} GiB (the preset's context "
+                       f"is {PRESETS[args.preset]['block_size']}); lower --block_size or --batch_size")
 
 
 def params_to_bf16(model):
@@ -440,6 +461,9 @@ def say_setup(args, proc, batches, model, replaced):
     note = ""
     if args.preset.startswith("llama"):
         note = " (the papers count Llama sizes with a 32000-token vocabulary; this vocabulary changes the count)"
+    if meta["tokenizer"] == "byte" and PRESETS[args.preset].get("block_size", 0) >= 1024:
+        note += (f" (with byte tokens: a 256-entry vocabulary, not the {args.preset} of GPT-2's tokenizer; "
+                 f"--tokenizer gpt2 for that)")
     say(f"model {args.preset}: {describe(model.config)}; {n_params:,} parameters = {n_params / 1e6:.2f}M{note}")
     if replaced:
         say(f"PQT {args.method}[{args.parts}] on {len(replaced)} linear layers, "
