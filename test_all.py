@@ -6319,36 +6319,6 @@ def test_readme_train_commands_each_write_their_own_out_dir():
 # =============================================================================================
 # the repository's modules: no two import each other
 
-def test_no_two_modules_import_each_other():
-    """Every import (at top level or inside a function) between the top-level .py files: a pair
-    that imports each other is a circle a reader cannot follow from one file to the other."""
-    import ast
-    import glob
-    mods = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
-    imports = {}
-    for name, path in mods.items():
-        tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
-        found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                found |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module.split(".")[0])
-        imports[name] = found & set(mods) - {name}
-    pairs = sorted({tuple(sorted((a, b))) for a in imports for b in imports[a] if a in imports[b]})
-    assert not pairs, "modules that import each other: " + ", ".join(f"{a}.py <-> {b}.py" for a, b in pairs)
-
-
-# ----------------------------------------------------------------------------------------------
-# packaging: pyproject.toml installs the library modules and everything they import
-
-
-def _pyproject_modules():
-    import tomllib
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)["tool"]["setuptools"]["py-modules"]
-
-
 def _local_imports(name):
     """Repository modules a module imports, anywhere in it (function-level imports too)."""
     import ast
@@ -6361,6 +6331,25 @@ def _local_imports(name):
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module.split(".")[0])
     return found & local
+
+
+def test_no_two_modules_import_each_other():
+    """Every import (at top level or inside a function) between the top-level .py files: a pair
+    that imports each other is a circle a reader cannot follow from one file to the other."""
+    mods = [f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")]
+    imports = {name: _local_imports(name) - {name} for name in mods}
+    pairs = sorted({tuple(sorted((a, b))) for a in imports for b in imports[a] if a in imports[b]})
+    assert not pairs, "modules that import each other: " + ", ".join(f"{a}.py <-> {b}.py" for a, b in pairs)
+
+
+# ----------------------------------------------------------------------------------------------
+# packaging: pyproject.toml installs the library modules and everything they import
+
+
+def _pyproject_modules():
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["tool"]["setuptools"]["py-modules"]
 
 
 def test_pyproject_installs_every_module_the_library_modules_import():
