@@ -27,6 +27,7 @@ import time
 import torch
 
 from model import GPT, GPTConfig
+from train_log import optimizer_state_bytes
 
 WIDTH_7B = dict(n_embd=4096, n_head=32, n_kv_head=8, ffn_hidden=11008, vocab_size=50304, pos="rope",
                 mlp="swiglu", norm="rmsnorm", tie_embeddings=False, split_qkv=True)
@@ -75,19 +76,6 @@ def make_optimizer(kind, params):
     raise ValueError(f"optimizer kind={kind!r}; allowed: torch, zipsr, zipsr-mw24, torchao, flashoptim")
 
 
-def _nbytes(t):
-    # a tensor subclass (TorchAO's 4-bit states) holds its bytes in inner tensors: count those
-    if hasattr(t, "__tensor_flatten__"):
-        return sum(_nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-    return t.numel() * t.element_size()
-
-
-def _state_bytes(opt):
-    if hasattr(opt, "state_nbytes"):
-        return int(opt.state_nbytes())
-    return sum(_nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-
-
 def probe(setup, n_layer, steps=3, device="cuda"):
     """Train the 7B-width model with n_layer blocks for `steps` steps under setup (a SETUPS key).
     Returns a dict (params, peak_GiB, measured and arithmetic B/param, tokens_per_s) or None
@@ -131,7 +119,7 @@ def probe(setup, n_layer, steps=3, device="cuda"):
                 opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        state["optimizer"] = _state_bytes(opt)
+        state["optimizer"] = optimizer_state_bytes(opt)
         n = sum(p.numel() for p in model.parameters())
         return dict(n_layer=n_layer, params=n, peak_GiB=torch.cuda.max_memory_allocated() / 2 ** 30,
                     measured_B_per_param={k: v / n for k, v in state.items()},

@@ -186,8 +186,10 @@ def _plot_one(plt, r, section, path, stem):
             rows = [x for x in r["rows"] if x["case"] == case and "reference" not in x["optimizer"]]
             _bars(ax, [f"{x['optimizer']} ({x['state_bytes_per_param']:.2f} B/param)" for x in rows],
                   [x["ms"] for x in rows], case, "step time, ms")
-            for x in rows:
-                ax.axvline(x["floor_ms"], ls=":", lw=0.8, color="k")
+            # each row's own floor (its bytes moved / the copy bandwidth): a tick on its bar
+            ax.plot([x["floor_ms"] for x in rows], range(len(rows)), "k|", ms=12,
+                    label="a row's bandwidth floor: its bytes moved / copy bandwidth")
+        fig.legend(*axs[0, 0].get_legend_handles_labels(), loc="upper right", fontsize=7)
     elif section == "memory":
         fig, ax = plt.subplots(figsize=(8, 3.5))
         labels = [f"{x['method']} {x['memory']} {x['optim']}" + (

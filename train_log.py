@@ -131,12 +131,18 @@ def peak_memory_mb(device_type):
 
 def optimizer_state_bytes(opt):
     """Bytes this process holds in optimizer state tensors (opt.state_nbytes() when the optimizer
-    has it; under FSDP2 the local shards of DTensor states); the scalar step counters are not
-    counted, as in AdamW4bit.state_nbytes()."""
+    has it; under FSDP2 the local shards of DTensor states; a tensor subclass such as TorchAO's
+    4-bit state by its inner tensors); the scalar step counters are not counted, as in
+    AdamW4bit.state_nbytes()."""
     if hasattr(opt, "state_nbytes"):
         return int(opt.state_nbytes())
-    local = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()]
-    return sum(v.numel() * v.element_size() for v in local if torch.is_tensor(v) and v.dim() > 0)
+
+    def nbytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if hasattr(t, "__tensor_flatten__"):
+            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+        return t.numel() * t.element_size()
+    return sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
 class RunLog:
