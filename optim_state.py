@@ -218,6 +218,18 @@ def state_dict(opt):
     return sd
 
 
+def _describe_states(state_dict):
+    # what another optimizer's per-parameter states hold, for the refusal: e.g. torch's AdamW
+    # (exp_avg float32), TorchAO's AdamW4bit (a tensor subclass), bitsandbytes' (state1 uint8)
+    states = state_dict.get("state", {})
+    first = next(iter(states.values()), None) if isinstance(states, dict) else None
+    if not isinstance(first, dict):
+        return ""
+    kinds = [f"{k} ({type(v).__name__ if type(v) is not torch.Tensor else str(v.dtype).replace('torch.', '')})"
+             if torch.is_tensor(v) else k for k, v in first.items()]
+    return f" (its per-parameter states: {', '.join(kinds)})"
+
+
 def load_state_dict(opt, state_dict):
     """AdamW4bit.load_state_dict: checks, torch's load, then the saved tensors with their own dtypes."""
     """Load a state_dict() of an AdamW4bit with the same preset, components and block_size;
@@ -230,7 +242,9 @@ def load_state_dict(opt, state_dict):
         state_dict = dict(state_dict, adam4bit=groups[0]["adam4bit"]["config"],
                           adam4bit_extra=groups[0]["adam4bit"]["extra"])
     if "adam4bit" not in state_dict:
-        raise ValueError("not an AdamW4bit state dict (no 'adam4bit' entry); refusing to load")
+        raise ValueError("not an AdamW4bit state dict (no 'adam4bit' entry) but another optimizer's"
+                         + _describe_states(state_dict) + ": AdamW4bit loads only its own state_dict(); to "
+                         "move from that optimizer, load the model's weights and start AdamW4bit fresh")
     saved = dict(dict(param_rounding="rtn", master_weight_bits=None), **state_dict["adam4bit"])
     mine = {k: opt.qcfg[k] for k in sorted(opt.qcfg)}
     def same(a, b):   # codebooks may be tensors (custom levels)

@@ -2036,6 +2036,19 @@ def test_group_keys_that_change_the_math_are_refused(key, value):
     assert torch.equal(p, torch.zeros(4096))                  # nothing stepped
 
 
+def test_another_optimizers_state_dict_is_refused_saying_what_it_holds():
+    """Migrating from torch's AdamW (or TorchAO's / bitsandbytes' 4-bit and 8-bit ones): their state
+    dicts cannot become 4-bit codes of ours; the error says what it got and what to do."""
+    p = torch.nn.Parameter(torch.randn(64, 128))
+    p.grad = torch.randn_like(p)
+    theirs = torch.optim.AdamW([p])
+    theirs.step()
+    with pytest.raises(ValueError, match=r"another optimizer's \(its per-parameter states: step \(float32\), "
+                                         r"exp_avg \(float32\), exp_avg_sq \(float32\)\): AdamW4bit loads only its "
+                                         r"own state_dict\(\); to move from that optimizer, load the model's weights"):
+        A.AdamW4bit([p]).load_state_dict(theirs.state_dict())
+
+
 def test_adam_groups_without_weight_decay_are_accepted():
     """decoupled_weight_decay=False (torch's Adam) with weight_decay 0 is the same update."""
     p = torch.nn.Parameter(torch.zeros(4096))
