@@ -155,9 +155,10 @@ def _module_filter(modules):
     return (lambda name, _: any(fnmatch.fnmatchcase(name, p) for p in globs)), list(globs)
 
 
-def _few(names, k=8):
+def _few(names, k=8, quote=True):
     # names quoted: a layer named "0" must not read as a count
-    return ", ".join(map(repr, names[:k])) + (f", ... ({len(names)} in all)" if len(names) > k else "") or "none"
+    shown = [repr(n) if quote else n for n in names[:k]]
+    return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > k else "") or "none"
 
 
 def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0, memory="save",
@@ -223,9 +224,9 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     already = f" (already GaussWSLinear: {_few(done)})" if done else ""
     # nn.Linear subclasses are not replaced (their forward may not be nn.Linear's): say so when
     # they are all a filter could have found
-    subs = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+    subs = [f"{n!r} ({type(m).__name__})" for n, m in model.named_modules()
             if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not isinstance(m, GaussWSLinear)]
-    subs = (f"; not replaced, being nn.Linear subclasses whose forward may differ: {_few(subs)}"
+    subs = (f"; not replaced, being nn.Linear subclasses whose forward may differ: {_few(subs, quote=False)}"
             if subs else "")
     if modules is None:
         parts = "all" if parts is None else parts

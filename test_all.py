@@ -2092,6 +2092,8 @@ def test_step_in_backward_gives_the_ordinary_steps_bit_for_bit(preset, pqt):
 def test_step_in_backward_refuses_what_it_cannot_do():
     import step_in_backward as sib
     p = torch.nn.Parameter(torch.zeros(4096))
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got Linear"):
+        sib.step_in_backward(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="capturable=True"):
         sib.step_in_backward(A.AdamW4bit([p], capturable=True))
     p.grad = torch.ones_like(p)
@@ -2994,7 +2996,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.apply_pqt(_gpt2_like(), parts="qkv,attn")
     with pytest.raises(ValueError, match="no nn.Linear named"):
         g.apply_pqt(_gpt2_like(), parts="gate")
-    with pytest.raises(ValueError, match="the parts it has: none; linears without a part name: 0; select other layers by name with modules="):
+    with pytest.raises(ValueError, match="the parts it has: none; linears without a part name: '0'; select other layers by name with modules="):
         g.apply_pqt(nn.Sequential(nn.Linear(3, 3)))
     with pytest.raises(ValueError, match="the model is itself a linear layer \\(Linear\\).*nn.Sequential"):
         g.apply_pqt(nn.Linear(3, 3))
@@ -3787,15 +3789,15 @@ def test_modules_filter_errors_name_the_module_the_value_and_the_glob():
     with pytest.raises(ValueError, match=r"raised KeyError on module 'blocks.0.attn.qkv'") as e:
         g.apply_pqt(m, modules=lambda n, mod: {}[n])
     assert isinstance(e.value.__cause__, KeyError)
-    with pytest.raises(ValueError, match=r"'nope\.\*' matches no linear; the model's linears: blocks.0.attn.qkv"):
+    with pytest.raises(ValueError, match=r"'nope\.\*' matches no linear; the model's linears: 'blocks.0.attn.qkv'"):
         g.apply_pqt(m, modules=["blocks.0.*", "nope.*"])
     assert _untouched(m)
     # what is there when nothing is found: linears without part names, nn.Linear subclasses
     seq = nn.Sequential(nn.Linear(8, 8), _MyLinear(8, 8))
-    with pytest.raises(ValueError, match=r"the parts it has: none; linears without a part name: 0; not replaced, "
-                                         r"being nn.Linear subclasses.*: 1 \(_MyLinear\)"):
+    with pytest.raises(ValueError, match=r"the parts it has: none; linears without a part name: '0'; not replaced, "
+                                         r"being nn.Linear subclasses.*: '1' \(_MyLinear\)"):
         g.apply_pqt(seq, parts="all")
-    with pytest.raises(ValueError, match=r"the model's linears: none; not replaced.*1 \(_MyLinear\)"):
+    with pytest.raises(ValueError, match=r"the model's linears: none; not replaced.*'1' \(_MyLinear\)"):
         g.apply_pqt(nn.Sequential(nn.ReLU(), _MyLinear(8, 8)), modules="*")
 
 

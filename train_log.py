@@ -67,8 +67,8 @@ class Interrupts:
             os.write(2, f"\n{signal.Signals(signum).name}: stopping at the next step boundary with a checkpoint "
                         f"(again to exit at once)\n".encode())
         elif now - self.first >= self.ECHO_S:
-            os.write(2, f"\n{signal.Signals(signum).name} again: exiting now, without a new checkpoint (the last "
-                        f"one is intact)\n".encode())
+            os.write(2, f"\n{signal.Signals(signum).name} again: exiting now, without a new checkpoint (an earlier "
+                        f"one in --out_dir is intact)\n".encode())
             os._exit(128 + signum)
 
     def _watch(self, r):
