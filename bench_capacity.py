@@ -79,7 +79,8 @@ def make_optimizer(kind, params):
 def probe(setup, n_layer, steps=3, device="cuda"):
     """Train the 7B-width model with n_layer blocks for `steps` steps under setup (a SETUPS key).
     Returns a dict (params, peak_GiB, measured and arithmetic B/param, tokens_per_s) or None
-    when the GPU ran out of memory (the optimizer's package must be importable: largest checks); everything the probe allocated is freed either way."""
+    when the GPU ran out of memory; everything the probe allocated is freed either way. The
+    optimizer's package must be importable (largest() checks before probing)."""
     import gaussws
     from step_in_backward import step_in_backward
     dtype, kind, pqt, in_backward, arith = SETUPS[setup]

@@ -106,7 +106,7 @@ def _hparams_key(group):
     if torch.is_tensor(lr):
         lr = (id(lr), None if _lr_on_device(lr) or lr.numel() != 1 else lr.item())
     return (lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas, group["eps"], group["weight_decay"],
-            tuple(repr(group.get(k)) for k in _MATH_KEYS))
+            tuple(group.get(k) for k in _MATH_KEYS))
 
 
 # Keys of torch's Adam / AdamW groups whose values change the update, and the value AdamW4bit

@@ -33,11 +33,12 @@ def step_in_backward(optimizer, on_grad=None):
     on_grad: optional callable(p), called with each complete gradient before its step (e.g. to
         sum the squared gradient norm a log reports).
     Returns the hook handles (`h.remove()` each to go back to ordinary steps).
-    Raises TypeError for anything but a torch.optim.Optimizer, ValueError for a capturable AdamW4bit, or a parameter that already holds a gradient
-    (its step would then include gradients of other parameters).
+    Raises TypeError for anything but a torch.optim.Optimizer; ValueError for a capturable AdamW4bit,
+    or a parameter that already holds a gradient (its step would then include other gradients).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"step_in_backward: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(f"step_in_backward: optimizer must be a torch.optim.Optimizer, "
+                        f"got {type(optimizer).__name__}")
     if getattr(optimizer, "capturable", False):
         raise ValueError("step_in_backward: optimizer has capturable=True; its captured step updates "
                          "every parameter at once -- use capturable=False")

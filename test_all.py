@@ -5321,24 +5321,17 @@ def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 # train.py: runs that meet (one --out_dir per run, resumes across folders, signals)
 
-def _hold_lock(path, ready, pid_box):
-    lock = runlock.FileLock(path)
-    lock.acquire()
-    pid_box.value = os.getpid()
-    ready.set()
-    time.sleep(600)
-
-
 def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_holder_is_reported(corpus, tmp_path, capsys):
     out = tmp_path / "o"
     out.mkdir()
     ctx = multiprocessing.get_context("fork")
-    ready, pid = ctx.Event(), ctx.Value("i", 0)
-    holder = ctx.Process(target=_hold_lock, args=(str(out / ".lock"), ready, pid), daemon=True)
+    parent, child = ctx.Pipe()
+    holder = ctx.Process(target=_hold_lock_then, args=(str(out / ".lock"), "sleep", child), daemon=True)
     holder.start()
     try:
-        assert ready.wait(60)
-        with pytest.raises(train.RunError, match=rf"--out_dir {re.escape(str(out))} is in use by another run \(pid {pid.value} "):
+        assert parent.poll(60)
+        pid = parent.recv()
+        with pytest.raises(train.RunError, match=rf"--out_dir {re.escape(str(out))} is in use by another run \(pid {pid} "):
             train.main(base_args(corpus, out, "--max_iters", "2"))
         assert not os.path.exists(out / "log.jsonl")      # the refused run wrote nothing there
     finally:
@@ -5347,7 +5340,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_holder_is_rep
     capsys.readouterr()
     train.main(base_args(corpus, out, "--max_iters", "2"))   # the kernel released the killed holder's lock
     said = capsys.readouterr().out
-    assert f"the run that held it (pid {pid.value} " in said and "ended without releasing it" in said
+    assert f"the run that held it (pid {pid} " in said and "ended without releasing it" in said
     train.main(base_args(corpus, out, "--max_iters", "3", "--resume"))   # a clean exit leaves no note behind
     assert "ended without releasing it" not in capsys.readouterr().out
     assert not os.path.exists(out / ".lock")                               # nor the lock file

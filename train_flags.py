@@ -292,13 +292,15 @@ def check_memory_flags(parser, args):
     """parser.error (one line) for --step_in_backward with what needs every gradient at once, and
     --activation_checkpointing where its recomputation would draw other noise."""
     if args.step_in_backward:
-        why = ("--grad_clip {:g}: clipping by the global norm needs every gradient before the first step; "
-               "add --grad_clip 0".format(args.grad_clip) if args.grad_clip > 0 else
-               f"--grad_accum {args.grad_accum}: each micro-step would step on a partial gradient; use "
-               f"--grad_accum 1 and a larger --batch_size" if (args.grad_accum or 1) > 1 else
-               "under torchrun the gradients are all-reduced after backward, after the step; run one process"
-               if int(os.environ.get("WORLD_SIZE", 1)) > 1 else
-               "--capturable: the captured step updates every parameter at once" if args.capturable else None)
+        refusals = [   # (what is set, why it cannot be, in the order a user meets them)
+            (args.grad_clip > 0, f"--grad_clip {args.grad_clip:g}: clipping by the global norm needs every "
+                                 f"gradient before the first step; add --grad_clip 0"),
+            ((args.grad_accum or 1) > 1, f"--grad_accum {args.grad_accum}: each micro-step would step on a "
+                                         f"partial gradient; use --grad_accum 1 and a larger --batch_size"),
+            (int(os.environ.get("WORLD_SIZE", 1)) > 1, "under torchrun the gradients are all-reduced after "
+                                                       "backward, after the step; run one process"),
+            (args.capturable, "--capturable: the captured step updates every parameter at once")]
+        why = next((why for bad, why in refusals if bad), None)
         if why:
             parser.error(f"--step_in_backward with {why}")
     if args.activation_checkpointing and args.compile and args.method != "bf16":
