@@ -57,17 +57,44 @@ QUALITY = {
 }
 
 
+# GPT-2-124M on real text (results/quality.md, "GPT-2-124M"): each claim's runs and no more. The
+# BF16 + torch AdamW run is every comparison's baseline: torch's fused AdamW is also what
+# AdamW4bit's "fp32" preset steps FP32 tensors with, so it is paper B's 32-bit AdamW too. An
+# experiment may name its own seeds (a subset of --seeds); a run with a tag (5th item) is trained
+# again in its own folder with the same flags: "noise" is the same-seed rerun spread.
+_BASE = ("bf16", "adamw", (), "BF16 + 32-bit AdamW")
+QUALITY_GPT2 = {
+    "pqt": [_BASE, ("gaussws", "adamw"), ("diffq", "adamw")],                                  # paper A
+    "optim": [_BASE, ("bf16", "torchao"), ("bf16", "zeeden"), ("bf16", "zipsr")],             # paper B
+    "smallest": [_BASE,
+                 ("gaussws", "zipsr", ("--param_dtype", "bf16", "--master_weight_bits", "24"),
+                  "GaussWS + ZIP-SR, BF16 params + 24-bit master"),
+                 ("gaussws", "zipsr", ("--param_dtype", "bf16"), "GaussWS + ZIP-SR, BF16 params")],
+    "zeropoint": dict(seeds=(0,), runs=[_BASE] + QUALITY["zeropoint"][1:]),
+    "noise": dict(seeds=(0,), runs=[_BASE, ("bf16", "adamw", (), "BF16 + 32-bit AdamW, rerun", "rerun")]),
+}
+SUITES = {"small": QUALITY, "gpt2": QUALITY_GPT2}
+
+
 def _spec(run):
-    """(method, optim, extra flags as a tuple of str, label) of a QUALITY run."""
+    """(method, optim, extra flags as a tuple of str, label, tag) of a QUALITY run."""
     method, optim, *rest = run
     extra = tuple(rest[0]) if rest else ()
     label = rest[1] if len(rest) > 1 else f"{method}/{optim}" + "".join(f" {x}" for x in extra)
-    return method, optim, extra, label
+    return method, optim, extra, label, rest[2] if len(rest) > 2 else ""
 
 
-def _run_dir(out_dir, method, optim, extra, seed):
-    tag = "".join(("_" if x.startswith("--") else "-") + re.sub(r"[^\w.-]", "_", x.lstrip("-")) for x in extra)
-    return os.path.join(out_dir, f"{method}_{optim}{tag}_s{seed}")
+def _experiment(definition, seeds):
+    """(runs, seeds) of an experiment: a list of runs, or dict(runs=..., seeds=...) whose own
+    seeds are kept where --seeds has them."""
+    if isinstance(definition, dict):
+        return definition["runs"], [s for s in seeds if s in definition["seeds"]]
+    return definition, list(seeds)
+
+
+def _run_dir(out_dir, method, optim, extra, tag, seed):
+    flags = "".join(("_" if x.startswith("--") else "-") + re.sub(r"[^\w.-]", "_", x.lstrip("-")) for x in extra)
+    return os.path.join(out_dir, f"{method}_{optim}{flags}{'_' + tag if tag else ''}_s{seed}")
 
 
 def _visible_gpus():
@@ -157,8 +184,18 @@ def _train_subprocesses(todo, jobs):
     return failed
 
 
+def _trained(d):
+    """True if run folder d holds a finished run (a summary at its last step) or a diverged one
+    (an "error" record): its numbers are in its log.jsonl."""
+    import train as trainer
+    recs = trainer.read_log(os.path.join(d, "log.jsonl"))
+    return any(r.get("type") == "error" or (r.get("type") == "summary" and r["iters"] >= r["max_iters"])
+               for r in recs)
+
+
 def _read_run(d):
-    """Numbers of a finished (or diverged) run from its log.jsonl."""
+    """Numbers of a finished (or diverged) run from its log.jsonl, and its experiment-5 result
+    (cast.json, written by save_cast) when it has one."""
     import train as trainer
     recs = trainer.read_log(os.path.join(d, "log.jsonl"))
     s = next((r for r in reversed(recs) if r.get("type") == "summary"), None) or {}
@@ -169,93 +206,155 @@ def _read_run(d):
     k = max(1, len(pts) // 50)          # moving average over 2 % of the steps (paper B Figure 1)
     smooth = [(pts[i][0], sum(win := steps[max(0, i - k + 1):i + 1]) / len(win))
               for i in range(0, len(pts), max(1, len(pts) // 200))]
+    cast = None
+    if os.path.exists(os.path.join(d, "cast.json")):
+        with open(os.path.join(d, "cast.json")) as f:
+            cast = json.load(f)
     return dict(dir=d, log=os.path.join(d, "log.jsonl"), diverged_at=err["iter"] if err else None,
                 val_curve=[(r["iter"], r["val_loss"]) for r in recs if r.get("type") == "eval"],
-                train_curve=smooth,
+                train_curve=smooth, params=s.get("params"),
                 final_val_loss=s.get("final_val_loss"), optimizer_state_mb=s.get("optimizer_state_mb"),
                 peak_mem_mb=s.get("peak_mem_mb"), tokens_per_s=s.get("tokens_per_s"),
                 # mean training loss over the last 10 % of steps (None for a diverged run)
-                final_train_loss=sum(tail) / len(tail) if steps and not err else None)
+                final_train_loss=sum(tail) / len(tail) if steps and not err else None, cast=cast)
+
+
+def _gap(per, base):
+    """Gap of a run's final val losses to the baseline's, paired by seed (same seed: same data
+    order and initial weights): (mean, standard error or None with one pair, per-seed gaps)."""
+    gaps = [r["final_val_loss"] - b["final_val_loss"] for r, b in zip(per, base)
+            if r and b and r["final_val_loss"] is not None and b["final_val_loss"] is not None
+            and r["diverged_at"] is None and b["diverged_at"] is None]
+    if not gaps:
+        return None, None, []
+    mean = sum(gaps) / len(gaps)
+    se = (sum((x - mean) ** 2 for x in gaps) / (len(gaps) - 1) / len(gaps)) ** 0.5 if len(gaps) > 1 else None
+    return mean, se, gaps
+
+
+def _bytes_per_param(run, extra):
+    """Weights + optimizer states in bytes per parameter: 2 for BF16 parameters, else 4, plus the
+    measured state (the summary's optimizer_state_mb over its parameter count)."""
+    if not run or not run["params"] or run["optimizer_state_mb"] is None:
+        return None
+    weights = 2 if "bf16" in [b for a, b in zip(extra, extra[1:]) if a == "--param_dtype"] else 4
+    return weights + run["optimizer_state_mb"] * 2 ** 20 / run["params"]
 
 
 def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=QUALITY, jobs=1,
-                  cast=True, command=None, resume=False):
+                  cast=True, command=None, resume=False, max_runs=None):
     """Train every run of `experiments` for each seed with the same train.py flags (`train_args`:
-    preset, dataset, steps, ...) and compare final val losses (mean over seeds).
-    For "optim" also the gap to 32-bit AdamW and the share of TorchAO's gap each method closes
-    (paper B: ZIP-SR / ZE-EDEN close up to 70 % of it at every size); for "zeropoint" (paper B
-    Figure 1) the training-loss curves, where a diverged run (NaN/inf loss) is recorded with its
-    step instead of stopping the others. With an experiment "pqt" and cast=True also experiment 5
-    (bench_cast: val loss before and after casting tiles to their Table C formats) and the Figure 5
-    bitwidth chart.
+    preset, dataset, steps, ...) and compare final val losses (mean over seeds; the gap to the
+    first run of the experiment paired by seed, with its standard error).
+    For "optim" also the share of TorchAO's gap to 32-bit AdamW each method closes (paper B:
+    ZIP-SR / ZE-EDEN close up to 70 % of it at every size); for "zeropoint" (paper B Figure 1) the
+    training-loss curves, where a diverged run (NaN/inf loss) is recorded with its step instead of
+    stopping the others. With an experiment "pqt" and cast=True also experiment 5 on each of its
+    runs (save_cast: val loss before and after casting tiles to their Table C formats, written to
+    the run's cast.json) and the Figure 5 bitwidth chart.
+    experiments: {name: [run, ...] or dict(runs=[...], seeds=(...))} (QUALITY, QUALITY_GPT2).
+    Runs go seed by seed (every run of seed 0 first), so a partial set still compares methods.
     jobs=1 trains in this process; jobs>1 runs that many `python train.py` subprocesses at once,
     spread over the visible GPUs. Runs shared between experiments are trained once.
-    resume=True passes train.py --resume to every run that has a checkpoint: finished runs are
-    read back as they are, interrupted ones continue (train.py refuses a changed configuration),
-    so the experiments can be spread over several invocations.
+    resume=True keeps what out_dir holds: a finished run is read from its log.jsonl and cast.json
+    (its checkpoint may be gone), an interrupted one continues from its checkpoint (train.py
+    refuses a changed configuration), so a comparison can be spread over many invocations and
+    machines. max_runs: train at most this many runs now; the others stay pending (None in
+    their rows' seeds).
     Writes loss-curve PNGs when matplotlib is installed.
     Returns {"command", "seeds", "experiments": {experiment: {label: {...}}}, "cast", "bitwidth",
-    "failed_runs"}."""
-    runs, todo = {}, []
-    for run in dict.fromkeys(_spec(r)[:3] for rs in experiments.values() for r in rs):
-        for seed in seeds:
-            d = _run_dir(out_dir, *run, seed)
-            argv = [*train_args, "--method", run[0], "--optim", run[1], *run[2], "--seed", str(seed),
-                    "--out_dir", d, "--no-plot"]
-            if os.path.exists(os.path.join(d, "ckpt.pt")):   # continue it, or train it again
-                argv.append("--resume" if resume else "--overwrite")
-            runs[(*run, seed)] = d
-            todo.append((argv, d))
+    "failed_runs", "pending_runs"}."""
+    runs = {}      # (method, optim, extra, tag, seed) -> run folder, seed by seed
+    for seed in seeds:
+        for exp, definition in experiments.items():
+            rs, exp_seeds = _experiment(definition, seeds)
+            for run in rs:
+                method, optim, extra, _, tag = _spec(run)
+                if seed in exp_seeds:
+                    runs.setdefault((method, optim, extra, tag, seed), _run_dir(out_dir, method, optim, extra, tag, seed))
+    casts = {runs[(*_spec(r)[:3], _spec(r)[4], s)]: f"{_spec(r)[3]} s{s}"
+             for s in seeds for r in (experiments.get("pqt", []) if cast else [])}
+    todo, pending = [], []
+    for (method, optim, extra, tag, seed), d in runs.items():
+        if resume and _trained(d):
+            continue
+        if max_runs is not None and len(todo) >= max_runs:
+            pending.append(d)
+            continue
+        argv = [*train_args, "--method", method, "--optim", optim, *extra, "--seed", str(seed),
+                "--out_dir", d, "--no-plot"]
+        if os.path.exists(os.path.join(d, "ckpt.pt")):        # continue it, or train it again
+            argv.append("--resume" if resume else "--overwrite")
+        elif os.path.exists(os.path.join(d, "log.jsonl")):    # stopped before its first checkpoint
+            argv.append("--overwrite")
+        todo.append((argv, d))
     failed = {}
-    if jobs > 1:
+    if todo and jobs > 1:
         _prepare_data(todo[0][0])
         failed = _train_subprocesses(todo, jobs)
     else:
         for argv, d in todo:
             _train_inprocess(argv, d)
-    runs = {k: _read_run(d) for k, d in runs.items()}
+    for d, label in casts.items():   # experiment 5 while the checkpoints are here
+        if _trained(d) and os.path.exists(os.path.join(d, "ckpt.pt")) and \
+                not (resume and os.path.exists(os.path.join(d, "cast.json"))):
+            save_cast(d, label)
+    read = {k: _read_run(d) if _trained(d) else None for k, d in runs.items()}
     res = {}
-    for exp, rs in experiments.items():
-        rows = {}
+    for exp, definition in experiments.items():
+        rs, exp_seeds = _experiment(definition, seeds)
+        rows, base = {}, None
         for run in rs:
-            method, optim, extra, label = _spec(run)
-            per = [runs[(method, optim, extra, s)] for s in seeds]
-            finals = [r["final_val_loss"] for r in per]
-            ok = all(x is not None and math.isfinite(x) for x in finals)
+            method, optim, extra, label, tag = _spec(run)
+            per = [read[(method, optim, extra, tag, s)] for s in exp_seeds]
+            done = [(s, r) for s, r in zip(exp_seeds, per) if r]
+            finals = [r["final_val_loss"] for _, r in done]
+            ok = bool(finals) and all(x is not None and math.isfinite(x) for x in finals)
+            base = per if base is None else base
+            gap, gap_se, gaps = _gap(per, base)
+            first = done[0][1] if done else None
             rows[label] = dict(
-                method=method, optim=optim, flags=list(extra), final_val_loss=finals,
+                method=method, optim=optim, flags=list(extra), seeds=[s for s, _ in done], final_val_loss=finals,
                 mean=sum(finals) / len(finals) if ok else None,
-                final_train_loss=[r["final_train_loss"] for r in per],
-                diverged_at=[r["diverged_at"] for r in per],
-                **{k: per[0][k] for k in ("optimizer_state_mb", "peak_mem_mb", "tokens_per_s")},
-                curves=[dict(seed=sd, val=r["val_curve"], train=r["train_curve"]) for sd, r in zip(seeds, per)])
-        base = rows[_spec(rs[0])[3]]["mean"]
-        for r in rows.values():
-            r["gap_to_first"] = r["mean"] - base if r["mean"] is not None and base is not None else None
-        if exp == "optim" and "bf16/torchao" in rows:
-            gap_ao = rows["bf16/torchao"]["gap_to_first"]
+                gap_to_first=gap, gap_se=gap_se, gap_per_seed=gaps,
+                final_train_loss=[r["final_train_loss"] for _, r in done],
+                diverged_at=[r["diverged_at"] for _, r in done],
+                bytes_per_param=_bytes_per_param(first, extra),
+                **{k: first[k] if first else None for k in ("optimizer_state_mb", "peak_mem_mb", "tokens_per_s")},
+                curves=[dict(seed=s, val=r["val_curve"], train=r["train_curve"]) for s, r in done])
+        if exp == "optim":
+            gap_ao = next((r["gap_to_first"] for r in rows.values() if r["optim"] == "torchao" and not r["flags"]), None)
             for r in rows.values():   # undefined unless TorchAO is behind 32-bit AdamW
                 r["share_of_torchao_gap_closed"] = (1 - r["gap_to_first"] / gap_ao
                                                     if gap_ao and gap_ao > 0 and r["gap_to_first"] is not None
                                                     else None)
         res[exp] = rows
         print(f"[{exp}] " + "; ".join(
-            f"{k}: " + (f"{v['mean']:.4f} ({v['gap_to_first']:+.4f})" if v["gap_to_first"] is not None else
+            f"{k}: " + (f"{v['mean']:.4f} ({v['gap_to_first']:+.4f}"
+                        + (f" +- {v['gap_se']:.4f}" if v["gap_se"] is not None else "") + f", {len(v['seeds'])} seeds)"
+                        if v["gap_to_first"] is not None else
                         f"{v['mean']}" if v["mean"] is not None else
+                        "pending" if not v["seeds"] else
                         "diverged at step " + ", ".join(str(x) for x in v["diverged_at"]))
             for k, v in rows.items()))
         plot_quality(exp, rows, os.path.join(out_dir, f"{exp}.png"), train_loss=exp == "zeropoint")
     out = dict(command=command or f"python experiments.py quality  # train.py {' '.join(train_args)}",
                seeds=list(seeds), experiments=res)
-    if cast and "pqt" in experiments:
-        pqt = [(_spec(r), s) for r in experiments["pqt"] for s in seeds]
-        done = [(f"{sp[3]} s{s}", runs[(*sp[:3], s)]["dir"]) for sp, s in pqt
-                if runs[(*sp[:3], s)]["final_val_loss"] is not None]
-        out["cast"], out["bitwidth"] = bench_cast(done, os.path.join(out_dir, "bitwidth.png"))
+    if casts:
+        found = [(label, read_cast) for d, label in casts.items()
+                 if (read_cast := (_read_run(d)["cast"] if _trained(d) else None))]
+        out["cast"] = {label: c["row"] for label, c in found}
+        out["bitwidth"] = {label: c["bitwidth"] for label, c in found if c.get("bitwidth")}
+        drawn = next(((label, c) for label, c in found if c.get("layers") and c["bitwidth"]["method"] == "gaussws"), None)
+        if drawn:
+            plot_bitwidth(drawn[1]["layers"], os.path.join(out_dir, "bitwidth.png"),
+                          f"{drawn[0]}: learned b_t per layer (paper A Figure 5)")
         plot_cast(out["cast"], os.path.join(out_dir, "cast.png"))
-    out["failed_runs"] = failed
+    out["failed_runs"], out["pending_runs"] = failed, pending
     for d, msg in failed.items():
         print(f"[quality] run {d} FAILED: {msg[-500:]}")
+    if pending:
+        print(f"[quality] {len(pending)} run(s) pending (--max_runs {max_runs}); continue with --resume")
     return out
 
 
@@ -290,54 +389,58 @@ def load_run(run_dir, device="cpu"):
     return model, c, lambda: trainer.evaluate(model, batches, c["eval_windows"], c["batch_size"], ctx, device)
 
 
-def bench_cast(run_dirs, png=None, device=None):
-    """Experiment 5 and paper A Figure 5 on finished runs [(label, run_dir)]: val loss of the
-    plain weights w before and after gaussws.cast_to_tiers. GaussWS/DiffQ runs use each tile's learned b_t;
-    a BF16 run is the control: its same layers (--parts) are cast at the fixed b_target tier
-    (does PQT training make the model more tolerant than plain training?). Each model's same
-    layers are also cast to every format of gaussws.CAST_SWEEP in turn (from the trained weights).
-    Returns (cast rows {label: {val_loss_before, val_loss_after, delta, tier_share, tiers,
-    sweep_delta: {"e3m4": val loss change, ...}}},
-    bitwidth {label: Figure 5 statistics of the learned b_t, gaussws.bitwidth_stats}); the first
-    GaussWS run's per-layer b_t is drawn to `png` (mean, +-std, min-max)."""
+def cast_run(d, label, device=None):
+    """Experiment 5 and paper A Figure 5 on the finished run in folder d: val loss of the plain
+    weights w before and after gaussws.cast_to_tiers. GaussWS/DiffQ runs use each tile's learned
+    b_t; a BF16 run is the control: its same layers (--parts) are cast at the fixed b_target tier
+    (does PQT training make the model more tolerant than plain training?). The model's same layers
+    are also cast to every format of gaussws.CAST_SWEEP in turn (from the trained weights).
+    Returns dict(row={val_loss_before, val_loss_after, delta, tier_share, tiers, sweep_delta:
+    {"e3m4": val loss change, ...}}, bitwidth=Figure 5 statistics of the learned b_t (None for
+    BF16), layers=gaussws.bitwidth_stats per layer, for plots.plot_bitwidth (None for BF16))."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    rows, bits, drawn = {}, {}, False
-    for label, d in run_dirs:
-        model, c, val = load_run(d, device)
-        before = val()
-        if c["method"] == "bf16":
-            g.apply_pqt(model, parts=c["parts"], b_init=c["b_target"], b_target=c["b_target"])
-            model.eval()
-            tiers = f"fixed b_target {c['b_target']:g}"
-        else:
-            stats = g.bitwidth_stats(model)
-            bits[label] = dict(method=c["method"], layers={k: v for k, v in stats.items() if k != "all"},
-                               **{k: stats["all"][k] for k in ("mean", "std", "min", "max", "share_le5",
-                                                             "share_le9", "share_le12")})
-            tiers = "learned b_t"
-            if png and c["method"] == "gaussws" and not drawn:
-                plot_bitwidth(stats, png, f"{label}: learned b_t per layer (paper A Figure 5)")
-                drawn = True
-        layers = [layer for _, layer in g.pqt_layers(model)]
-        w0 = [layer.weight.detach().clone() for layer in layers]
-        sweep = {}
-        for e, mb in g.CAST_SWEEP:
-            with torch.no_grad():
-                for layer, w in zip(layers, w0):
-                    layer.weight.copy_(g.cast_tiles(w, e, mb))
-            sweep[f"e{e}m{mb}"] = val() - before
+    model, c, val = load_run(d, device)
+    before = val()
+    bits = stats = None
+    if c["method"] == "bf16":
+        g.apply_pqt(model, parts=c["parts"], b_init=c["b_target"], b_target=c["b_target"])
+        model.eval()
+        tiers = f"fixed b_target {c['b_target']:g}"
+    else:
+        stats = g.bitwidth_stats(model)
+        bits = dict(method=c["method"], layers={k: v for k, v in stats.items() if k != "all"},
+                    **{k: stats["all"][k] for k in ("mean", "std", "min", "max", "share_le5", "share_le9",
+                                                  "share_le12")})
+        tiers = "learned b_t"
+    layers = [layer for _, layer in g.pqt_layers(model)]
+    w0 = [layer.weight.detach().clone() for layer in layers]
+    sweep = {}
+    for e, mb in g.CAST_SWEEP:
         with torch.no_grad():
             for layer, w in zip(layers, w0):
-                layer.weight.copy_(w)
-        share = g.cast_to_tiers(model)
-        after = val()
-        rows[label] = dict(val_loss_before=before, val_loss_after=after, delta=after - before,
-                           tier_share=share, tiers=tiers, sweep_delta=sweep)
-        print(f"[cast] {label} ({tiers}): val loss {before:.4f} -> {after:.4f} ({after - before:+.4f}); "
-              + ", ".join(f"{k} {v:.1%}" for k, v in share.items() if v)
-              + "; every tile at " + ", ".join(f"{k} {v:+.4f}" for k, v in sweep.items()))
-        del model
-    return rows, bits
+                layer.weight.copy_(g.cast_tiles(w, e, mb))
+        sweep[f"e{e}m{mb}"] = val() - before
+    with torch.no_grad():
+        for layer, w in zip(layers, w0):
+            layer.weight.copy_(w)
+    share = g.cast_to_tiers(model)
+    after = val()
+    print(f"[cast] {label} ({tiers}): val loss {before:.4f} -> {after:.4f} ({after - before:+.4f}); "
+          + ", ".join(f"{k} {v:.1%}" for k, v in share.items() if v)
+          + "; every tile at " + ", ".join(f"{k} {v:+.4f}" for k, v in sweep.items()))
+    return dict(row=dict(val_loss_before=before, val_loss_after=after, delta=after - before, tier_share=share,
+                         tiers=tiers, sweep_delta=sweep), bitwidth=bits, layers=stats)
+
+
+def save_cast(d, label, device=None):
+    """cast_run on run folder d, written to d/cast.json (atomically): the run's experiment-5
+    numbers outlive its checkpoint."""
+    res = cast_run(d, label, device)
+    tmp = os.path.join(d, "cast.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(res, f)
+    os.replace(tmp, os.path.join(d, "cast.json"))
+    return res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,9 +454,13 @@ def add_quality_args(ap, skip=()):
         "--iters": dict(type=int, default=None, help="train.py --max_iters instead of --tokens_per_param"),
         "--preset": dict(default="small", help="model preset"),
         "--tokens_per_param": dict(type=float, default=20, help="run length"),
-        "--experiments": dict(default=",".join(QUALITY),
-                              help=f"comma list of {','.join(QUALITY)} (pqt adds the Table C cast "
-                                   "and the Figure 5 chart)"),
+        "--suite": dict(default="small", choices=tuple(SUITES),
+                        help="the experiments' runs: small (QUALITY: small models, extra variants) or gpt2 "
+                             "(QUALITY_GPT2: each claim's runs at GPT-2-124M, with a same-seed rerun)"),
+        "--experiments": dict(default=None,
+                              help="comma list of the suite's experiments, default all: "
+                                   + "; ".join(f"{k} {','.join(v)}" for k, v in SUITES.items())
+                                   + " (pqt adds the Table C cast and the Figure 5 chart)"),
         "--seeds": dict(default="0,1", help="comma list of seeds"),
         "--jobs": dict(type=int, default=1,
                        help="concurrent train.py subprocesses (spread over visible GPUs); 1 = train in this process"),
@@ -362,7 +469,11 @@ def add_quality_args(ap, skip=()):
                                   'a single flag needs the = form: --train_args=--no-compile'),
         "--out_dir": dict(default=None, help="run folders and plots; default results/quality_[cpu_]<preset>"),
         "--resume": dict(action="store_true",
-                         help="runs with a checkpoint in --out_dir continue (finished ones are reused)"),
+                         help="keep what --out_dir holds: finished runs are read from their logs, "
+                              "interrupted ones continue from their checkpoints"),
+        "--max_runs": dict(type=int, default=None,
+                           help="train at most this many runs now (seed 0 of every run first); "
+                                "the rest later with --resume"),
     }
     for flag, kw in flags.items():
         if flag not in skip:
@@ -372,11 +483,14 @@ def add_quality_args(ap, skip=()):
 def run_quality(args, ap, tool, command):
     """Check the `quality` flags of args (errors through ap.error, naming `tool`'s flags), run
     bench_quality and save its JSON; exits non-zero when a run failed. Returns the result."""
-    exps = [x for x in args.experiments.split(",") if x]
-    bad = [x for x in exps if x not in QUALITY]
+    suite = SUITES[args.suite]
+    exps = list(suite) if args.experiments is None else [x for x in args.experiments.split(",") if x]
+    bad = [x for x in exps if x not in suite]
     if bad or not exps:
-        ap.error(f"--experiments {args.experiments!r}: unknown {', '.join(bad) or '(empty)'}; "
-                 f"allowed: comma list of {', '.join(QUALITY)}")
+        ap.error(f"--experiments {args.experiments!r}: unknown {', '.join(bad) or '(empty)'} in --suite "
+                 f"{args.suite}; allowed: comma list of {', '.join(suite)}")
+    if args.max_runs is not None and args.max_runs < 0:
+        ap.error(f"--max_runs {args.max_runs}: must be an integer >= 0 (0 trains nothing and reports what is saved)")
     try:
         seeds = [int(x) for x in args.seeds.split(",")]
     except ValueError:
@@ -404,8 +518,8 @@ def run_quality(args, ap, tool, command):
     length = ["--max_iters", str(args.iters)] if args.iters else ["--tokens_per_param", str(args.tokens_per_param)]
     out_dir = args.out_dir or f"results/quality_{'' if torch.cuda.is_available() else 'cpu_'}{args.preset}"
     res = bench_quality(["--preset", args.preset, "--dataset", args.dataset, *length, *train_tokens],
-                        seeds=seeds, out_dir=out_dir, experiments={k: QUALITY[k] for k in exps},
-                        jobs=args.jobs, resume=args.resume, command=command)
+                        seeds=seeds, out_dir=out_dir, experiments={k: suite[k] for k in exps},
+                        jobs=args.jobs, resume=args.resume, command=command, max_runs=args.max_runs)
     # an explicit --out_dir keeps its JSON there; the default goes to results/ by GPU and date
     save("quality", res, os.path.join(args.out_dir, "quality.json") if args.out_dir else None)
     if res["failed_runs"]:
