@@ -5908,6 +5908,46 @@ def test_bench_quality_compares_runs_with_shared_baseline(corpus, tmp_path):
     assert opt["bf16/zipsr"]["optimizer_state_mb"] < opt["bf16/fp32"]["optimizer_state_mb"]
 
 
+def test_quality_runs_seed_by_seed_and_resume_from_logs_without_checkpoints(corpus, tmp_path):
+    """bench_quality spread over invocations (as over machines whose disks are gone): --max_runs
+    trains seed 0 of every run first and leaves the rest pending; with resume=True a finished run
+    is read back from its log.jsonl and cast.json after its checkpoint is deleted (not trained
+    again), the pending ones train, an experiment keeps only its own seeds, a tagged run trains
+    again in its own folder, and gaps are paired by seed with their standard error."""
+    args = nano_args(corpus, "--max_iters", "4", "--eval_interval", "2", "--no-plot")
+    exps = {"pqt": [("bf16", "adamw"), ("gaussws", "adamw")],
+            "noise": dict(seeds=(0,), runs=[("bf16", "adamw"), ("bf16", "adamw", (), "rerun", "rerun")])}
+    out = experiments.bench_quality(args, seeds=(0, 1), out_dir=str(tmp_path), experiments=exps, max_runs=2,
+                                    resume=True)
+    assert sorted(os.listdir(tmp_path / "bf16_adamw_s0")) and not os.path.exists(tmp_path / "bf16_adamw_s1")
+    assert [os.path.basename(d) for d in out["pending_runs"]] == ["bf16_adamw_rerun_s0", "bf16_adamw_s1",
+                                                                   "gaussws_adamw_s1"]
+    assert out["experiments"]["pqt"]["gaussws/adamw"]["seeds"] == [0]
+    assert out["experiments"]["noise"]["rerun"]["seeds"] == [] and out["experiments"]["noise"]["rerun"]["mean"] is None
+    first = {k: v["row"] for k, v in ((k, json.load(open(tmp_path / d / "cast.json")))
+                                      for k, d in (("b", "bf16_adamw_s0"), ("g", "gaussws_adamw_s0")))}
+    assert first["g"]["tiers"] == "learned b_t" and first["b"]["tiers"].startswith("fixed")
+    logs = {d: os.path.getmtime(tmp_path / d / "log.jsonl") for d in ("bf16_adamw_s0", "gaussws_adamw_s0")}
+    for d in logs:
+        os.remove(tmp_path / d / "ckpt.pt")
+    out = experiments.bench_quality(args, seeds=(0, 1), out_dir=str(tmp_path), experiments=exps, resume=True)
+    assert all(os.path.getmtime(tmp_path / d / "log.jsonl") == t for d, t in logs.items())   # not trained again
+    assert out["pending_runs"] == [] and out["failed_runs"] == {}
+    assert not os.path.exists(tmp_path / "bf16_adamw_rerun_s1") and os.path.exists(tmp_path / "bf16_adamw_rerun_s0")
+    pqt, noise = out["experiments"]["pqt"], out["experiments"]["noise"]
+    b, gw = pqt["bf16/adamw"], pqt["gaussws/adamw"]
+    assert b["seeds"] == gw["seeds"] == [0, 1] and noise["rerun"]["seeds"] == [0]
+    gaps = [x - y for x, y in zip(gw["final_val_loss"], b["final_val_loss"])]
+    assert gw["gap_per_seed"] == gaps and gw["gap_to_first"] == pytest.approx(sum(gaps) / 2)
+    assert gw["gap_se"] == pytest.approx(abs(gaps[0] - gaps[1]) / 2)     # std / sqrt(2) of two values
+    assert noise["rerun"]["final_val_loss"] == [b["final_val_loss"][0]]  # CPU runs repeat bit for bit
+    assert set(out["cast"]) == {"bf16/adamw s0", "gaussws/adamw s0", "bf16/adamw s1", "gaussws/adamw s1"}
+    assert out["cast"]["gaussws/adamw s0"] == first["g"] and set(out["bitwidth"]) == {"gaussws/adamw s0",
+                                                                                       "gaussws/adamw s1"}
+    assert b["bytes_per_param"] == pytest.approx(4 + b["optimizer_state_mb"] * 2 ** 20 / train.read_log(
+        tmp_path / "bf16_adamw_s0" / "log.jsonl")[-1]["params"])
+
+
 def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     exps = {"pqt": [("bf16", "adamw"), ("gaussws", "adamw")],
@@ -6197,7 +6237,9 @@ def test_quality_bench_sigterm_ends_its_runs(corpus, tmp_path):
 def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
     """experiments.py quality takes bench.py --only quality's flags and names its own in errors;
     experiments.py plots skips a file without a known section; bench.py --help lists both."""
-    for bad, said in ((["--seeds", "1,1"], "distinct"), (["--train_args", "--seed 4"], "use experiments.py's --seeds")):
+    for bad, said in ((["--seeds", "1,1"], "distinct"), (["--train_args", "--seed 4"], "use experiments.py's --seeds"),
+                      (["--suite", "gpt2", "--experiments", "pqt,bits"], "unknown bits in --suite gpt2"),
+                      (["--max_runs", "-1"], "--max_runs -1")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
             experiments.main(["quality", "--preset", "nano", *bad])
