@@ -4965,6 +4965,17 @@ def test_unreadable_checkpoint_is_one_clear_line(tmp_path):
         msg = str(e.value)
         assert len(msg.splitlines()) == 1 and path in msg and "corrupt or truncated" in msg and reason in msg
         assert "weights_only" not in msg and "Weights only load failed" not in msg
+    (tmp_path / "log.jsonl").write_text('{"type": "eval"}\n')     # a run's log given for its checkpoint
+    with pytest.raises(train.RunError, match=r"log.jsonl is not a checkpoint \(not a file torch.save writes\)"):
+        train.load_checkpoint(str(tmp_path / "log.jsonl"))
+
+
+def test_a_data_dir_that_cannot_be_made_is_named(corpus, tmp_path):
+    """--data_dir where no folder can be made: one line naming the flag, not a bare OSError."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(train.RunError, match=r"^--data_dir .*file/sub: cannot prepare the dataset there \("):
+        train.main(base_args(corpus, tmp_path / "run", "--max_iters", "1", "--data_dir", str(blocker / "sub")))
 
 
 def test_edited_checkpoint_that_loads_but_does_not_fit_is_one_line(corpus, tmp_path):

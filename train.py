@@ -99,7 +99,13 @@ def setup_data(args, proc):
     if proc.master:
         try:
             folder = datamod.prepare(args.dataset, args.tokenizer, data_dir=args.data_dir, max_tokens=args.max_tokens)
-        except (RuntimeError, ValueError, OSError) as e:  # offline download, empty corpus, ...
+        except OSError as e:   # a folder that cannot be made or written, a source that cannot be read
+            where, home = os.path.abspath(str(e.filename or "?")), os.path.abspath(args.data_dir)
+            if where.startswith(home) or home.startswith(where):
+                raise RunError(f"--data_dir {args.data_dir}: cannot prepare the dataset there ({e.strerror}: "
+                               f"{e.filename}); give a folder you can write") from None
+            raise RunError(f"--dataset {args.dataset}: {e.strerror}: {e.filename}") from None
+        except (RuntimeError, ValueError) as e:  # offline download, empty corpus, ...
             raise RunError(str(e)) from None
     if proc.ddp:
         obj = [folder]

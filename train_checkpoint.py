@@ -350,6 +350,11 @@ def load_checkpoint(path):
             f" (only {tmp}, whose writing did not finish: start over with --overwrite)" if os.path.isdir(tmp) else ""))
     if os.path.isdir(path):
         return load_dcp_meta(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic and not (magic.startswith(b"PK") or magic.startswith(b"\x80")):   # torch.save: a zip (or a pickle)
+        raise RunError(f"--resume: {path} is not a checkpoint (not a file torch.save writes); give a run's "
+                       f"ckpt.pt or its --out_dir")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -357,7 +362,7 @@ def load_checkpoint(path):
         # we did not write: unpickling runs code)
         msg = str(e)
         if "WeightsUnpickler error:" in msg:
-            detail = msg.split("WeightsUnpickler error:")[1].split(". ")[0].strip()
+            detail = msg.split("WeightsUnpickler error:")[1].strip().splitlines()[0].split(". ")[0]
             reason = f"it holds objects a weights-only load refuses: {detail}"
         elif os.path.getsize(path) == 0:
             reason = "the file is empty"
