@@ -42,7 +42,8 @@ def check_resume_config(saved, current, path):
             for k in keys if saved.get(k) != current.get(k)]
     if diff:
         raise RunError(f"--resume: {path} was written by a different configuration: {'; '.join(diff)}. "
-                       f"Use the same flags, or a new --out_dir to start over.")
+                       f"Use the checkpoint's flags to continue it, or drop --resume to start a new run "
+                       f"with these.")
 
 
 def lock_out_dir(args, proc):
