@@ -1252,7 +1252,7 @@ def _launch(fn, tmp, world, *args, timeout=300):
 # shapes: whole-row blocks, even (40 rows) and uneven (33 rows) on 2 ranks; rows that split
 # blocks (64 elements) and a 1-D tensor (the gathered step); an FP32-state vector
 _FSDP_SHAPES = [(40, 256), (33, 128), (96, 64), (4096,), (33,)]
-_FSDP_PRESETS = ("torchao", "zeeden")     # the RTN presets: bit-identical for any world size
+_FSDP_PRESETS = ("torchao", "zeeden")     # RTN presets, bit-identical for any world size (SR: _SR_SHAPES below)
 
 
 class _Quadratic(nn.Module):
