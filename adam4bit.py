@@ -84,13 +84,13 @@ from codebooks import get_codebook, midpoints
 from kernel_tables import _join_bits, _kernel_tables, _unpair
 from launch_tables import (_DTYPE_KIND, KERNEL_DTYPES, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SCALE,
                            TAB_EXP_AVG_SQ, TAB_EXP_AVG_SQ_SCALE, TAB_FIRST_PROGRAM, TAB_GRAD, TAB_N_BLOCKS,
-                           TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH, _cached_tables,
-                           _device_scalars, _launch_scalars)
+                           TAB_OFFSET, TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH,
+                           _cached_tables, _device_scalars, _launch_scalars)
 from numerics import _denominator, _f32, sqrt_rn
 from optim_args import _check_block_size, _check_quant_args, _group_hparams
 from optim_state import _is_dtensor
 from param_write import _join_master, _param_bits16, _write_step, read_param
-from sr_bits import _seed_of_step, _sr_seed, _tile_uniforms, _tl_sr_seed
+from sr_bits import _seed_of_step, _sr_seed, _tile_uniforms, _tl_sr_seed, shard_offset, shard_span, span_uniforms
 
 # names that tests, bench.py, experiments.py and train.py import from here
 from adamw_fp32 import ADAMW_BLOCK, adamw_step_torch, adamw_step_triton  # noqa: F401,E402
@@ -168,7 +168,7 @@ def unpack_nibbles(packed):
 
 
 def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
-                       bias_correction2=1.0, eps=1e-8, eden=False, u=None, generator=None):
+                       bias_correction2=1.0, eps=1e-8, eden=False, u=None, generator=None, span=None):
     """Block-quantize a tensor to packed 4-bit codes and FP32 scales (paper B, Def. 3, App. A.2;
     eq. D3, A.2 and, with eden=True, 3.2 here).
 
@@ -179,8 +179,8 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     eden:     EDEN calibration (paper B, Sec. 3.2): stored scale = c_tau * s with
               c_tau = ||y||² / max(<y, T[code]>, tau), y = x (1/s), tau = 1e-12 (the normalized form,
               sums in float64); an all-zero block gets c_tau = 0 and decodes to zero.
-    u:        optional float32 uniforms in [0, 1) shaped like x for rule="sr" (else drawn with
-              torch.rand(generator=generator) in float32, whatever torch's default dtype).
+    u:        optional float32 uniforms in [0, 1) shaped like x for rule="sr" (else drawn from
+              `generator`, sr_bits.span_uniforms; span: x's (offset, numel) in a whole tensor).
     Returns (packed uint8 (numel/2,), scales float32 (numel/block_size,)).
     Raises TypeError for a non-float x; ValueError on a bad block_size, rule, coord, codebook,
     bias_correction2 or u, a non-divisible numel, or negative x with coord="update".
@@ -193,8 +193,7 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     s = xb.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)       # eq. D3
     y = xb * (1 / s)                 # normalized to [-1, 1]: one reciprocal per block
     if rule == "sr" and u is None:
-        # float32 whatever the default dtype: bfloat16 draws take ~1700 values and bias SR
-        u = torch.rand(xb.shape, dtype=torch.float32, device=xb.device, generator=generator)
+        u = span_uniforms(xb.shape, generator, xb.device, span)
     if rule == "sr":
         if u.numel() != xb.numel():
             raise ValueError(f"u must have one uniform per element of x ({xb.numel()}), got {u.numel()}")
@@ -235,7 +234,7 @@ def dequantize_blockwise(packed, scales, codebook, block_size=128):
 # ============================================================================================
 # The reference step (plain PyTorch): eq. 2.1a-b, then Def. 3 / App. A.2 / eq. 3.2 storage
 
-def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed, u=None):
+def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed, u=None, span=None):
     """One AdamW step of one 4-bit-state tensor in plain PyTorch (paper B, Sec. 2.1: eq. 2.1a-b,
     storage by Def. 3 / App. A.2, EDEN eq. 3.2): the specification adamw4bit_step_triton matches
     bit for bit. Runs under torch.no_grad() (AdamW4bit.step's).
@@ -252,7 +251,7 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
             block_size, param_rounding). m_rounding: "rtn"|"sr", the first moment's rule this step.
     seed:   seeds the generator of the SR uniforms (m's first, then v's, then the BF16 write's);
             u: optional tuple of float32 tensors (u_m, u_v[, u_p]), numel each, replacing them
-            (kernel tests).
+            (kernel tests); span: an FSDP2 shard's (offset, whole numel), sr_bits.span_uniforms.
     Raises ValueError (from quantize_blockwise) on sizes or uniforms that do not fit.
     """
     B = cfg["block_size"]
@@ -274,19 +273,19 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
     u_m, u_v, u_p = (tuple(u) + (None,))[:3] if u is not None else (None, None, None)
     v_coord, v_rule = cfg["v_rounding"].split("-")
     state["exp_avg"], state["exp_avg_scale"] = quantize_blockwise(
-        m, cfg["m_codebook"], B, m_rounding, "state", u=u_m, generator=gen)
+        m, cfg["m_codebook"], B, m_rounding, "state", u=u_m, generator=gen, span=span)
     state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blockwise(
-        v, cfg["v_codebook"], B, v_rule, v_coord, bc2, eps, cfg["eden"], u=u_v, generator=gen)
-    _write_step(param, w, corr, cfg.get("param_rounding", "rtn"), u_p, gen)
+        v, cfg["v_codebook"], B, v_rule, v_coord, bc2, eps, cfg["eden"], u=u_v, generator=gen, span=span)
+    _write_step(param, w, corr, cfg.get("param_rounding", "rtn"), u_p, gen, span)
 
 
 # ============================================================================================
 # The presets (paper B, Table 2) and the seed scheme
 #
-# SR bits of step t depend only on (seed, t, parameter index): the reference steps seed their
-# generator with _sr_seed(seed, t, index), the kernels add _seed_of_step(seed, t) to the launch
-# table's _seed_of_index(index) (sr_bits.py). Presets: m is always rounded in state space; v's
-# rounding names "coord-rule".
+# SR bits of step t depend only on (seed, t, parameter index) and the element's position in the
+# whole tensor (FSDP2 shards too): the reference steps seed their generator with _sr_seed(seed,
+# t, index), the kernels add _seed_of_step(seed, t) to the launch table's _seed_of_index(index)
+# (sr_bits.py). Presets: m is always rounded in state space; v's rounding names "coord-rule".
 PRESETS = {
     "fp32":    dict(m_codebook=None, m_rounding=None, v_codebook=None, v_rounding=None,
                     eden=False, lm_head_sr_after=None),
@@ -327,8 +326,8 @@ class AdamW4bit(torch.optim.Optimizer):
                   "auto" (triton on CUDA tensors, torch otherwise). A codebook too dense for the
                   kernel's buckets (levels < ~0.004 apart) runs the reference under "auto" and is
                   a ValueError under "triton".
-    seed:         seeds the SR random bits (sr_bits.py: the bits of step t depend only on
-                  (seed, t, parameter index), so a resumed run draws the same bits).
+    seed:         seeds the SR random bits (sr_bits.py: those of step t depend only on (seed, t,
+                  parameter index, element position): the same after a resume, on any world size).
     param_rounding: how BF16 parameters are written (param_write.py): "rtn" (round to nearest
                   even) or "sr" (stochastic rounding, unbiased). FP16 ones are written RTN.
     master_weight_bits: None, or 24 (FlashOptim's name): each BF16 parameter gets an int8
@@ -346,9 +345,8 @@ class AdamW4bit(torch.optim.Optimizer):
     with master_weight_bits=24 also param_correction (int8, the parameter's shape; BF16 ones).
     state["step"] is a Python float (a float32 device tensor with capturable=True). FSDP2
     (fully_shard) parameters: optim_state.py. NaN and Inf gradients: module docstring.
-    Raises ValueError/TypeError for bad hyperparameters (also in param groups), unknown names,
-    non-float parameters and mismatched state dicts; RuntimeError (as torch's AdamW) for sparse
-    gradients.
+    Raises ValueError/TypeError for bad hyperparameters (also in param groups), unknown names, non-float
+    parameters and mismatched state dicts; RuntimeError (as torch's AdamW) for sparse gradients.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
@@ -524,7 +522,8 @@ class AdamW4bit(torch.optim.Optimizer):
                     quant.setdefault((t, p.dtype, p.grad.dtype, m_rule), []).append((p, st, sidx))
                 else:
                     cacheable = False
-                    adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule, _sr_seed(self.seed, t, sidx))
+                    adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule, _sr_seed(self.seed, t, sidx),
+                                         span=shard_span(sidx))
             rule = self.qcfg["param_rounding"]
             launches = [(t, _triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache,
                                             own_table=cacheable), items, _triton_launch)
@@ -576,7 +575,7 @@ def _adamw4bit_kernel(
         step_ptr, lr_ptr, bias_table, bias_rows, DEV: tl.constexpr,
         # the configuration: rounding rules (eq. A.2), EDEN (eq. 3.2), input types and layout
         M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr, EDEN: tl.constexpr,
-        HAS_U: tl.constexpr, ALIGNED: tl.constexpr,
+        HAS_U: tl.constexpr, ALIGNED: tl.constexpr, PAIRED: tl.constexpr,
         # parameter and gradient dtypes (_DTYPE_KIND: 0 FP32, 1 BF16, 2 FP16) and the BF16 write:
         # SR (P_SR) or eq. MW's 24-bit master weight (P_CORR)
         P_KIND: tl.constexpr, G_KIND: tl.constexpr, P_SR: tl.constexpr, P_CORR: tl.constexpr,
@@ -584,6 +583,7 @@ def _adamw4bit_kernel(
         BLOCK_SIZE: tl.constexpr, NB: tl.constexpr, TILES: tl.constexpr):
     # A program does TILES tiles of NB consecutive blocks of one tensor, two tiles per loop
     # iteration; its row of the launch table gives the tensor's pointers.
+    tl.static_assert(TILES % 2 == 0)    # tile pairs start at even tiles, as the SR bits' (_pair_uniforms)
     if DEV:
         seed_of_step, decay, step_size, inv_sqrt_bc2 = _device_scalars(step_ptr, lr_ptr, bias_table,
                                                                        bias_rows, seed_of_step)
@@ -601,6 +601,7 @@ def _adamw4bit_kernel(
     exp_avg_sq = tl.load(row + TAB_EXP_AVG_SQ).to(tl.pointer_type(tl.uint8))
     exp_avg_sq_scale = tl.load(row + TAB_EXP_AVG_SQ_SCALE).to(tl.pointer_type(tl.float32))
     seed = _tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))     # _sr_seed
+    off = tl.load(row + TAB_OFFSET) // BLOCK_SIZE        # global block of block 0 (FSDP2 shards)
     u_m = tl.load(row + TAB_U_M).to(tl.pointer_type(tl.float32))
     u_v = tl.load(row + TAB_U_V).to(tl.pointer_type(tl.float32))
     u_p = tl.load(row + TAB_U_P).to(tl.pointer_type(tl.float32))
@@ -618,8 +619,8 @@ def _adamw4bit_kernel(
         b = _load_tile(param, grad, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f + NB,
                        last, b1, b2, True, P_KIND, G_KIND, P_CORR, ALIGNED, BLOCK_SIZE, NB)
         # SR uniforms of both tiles (tests: HAS_U, the caller's, from the launch table's u_m, u_v, u_p)
-        u = _tile_uniforms(seed, u_m, u_v, u_p, f, pair, n_blocks - f, last - f - NB, M_SR, V_SR, P_SR,
-                           HAS_U, BLOCK_SIZE, NB)
+        u = _tile_uniforms(seed, u_m, u_v, u_p, f, off, pair, n_blocks - f, last - f - NB, M_SR, V_SR,
+                           P_SR, HAS_U, PAIRED, BLOCK_SIZE, NB)
         _step_tile(a0, a1, a2, a3, a4, a5, a6, a7, u[0], u[1], u[2], u[3], u[4], u[5],
                    param, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f, n_blocks,
                    m_decode, v_decode, v_codebook, m_lut, v_lut, m_hn, v_hn, m_adjacent, v_adjacent,
@@ -819,7 +820,7 @@ def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_o
             step t: param a contiguous float32/bfloat16/float16 tensor with a contiguous grad of
             one of these dtypes, numel a multiple of cfg["block_size"]; state as in
             adamw4bit_step_torch (written in place, with its param_correction if any); index the
-            parameter's position from 1 (its SR seed is _sr_seed(seed, t, index)).
+            parameter's position from 1 (its SR seed is _sr_seed(seed, t, index)) or a ShardIndex.
     lr, b1, b2, eps, wd, t, cfg, m_rounding: as in adamw4bit_step_torch.
     seed_of_step: _seed_of_step(seed, t), the step's term of every tensor's SR seed.
     tables: _kernel_tables(cfg) (CPU); cache: a dict kept per optimizer, filled here with the
@@ -845,7 +846,7 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
     nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per tile
     numels = tuple(p.numel() for p, _, _ in items)
     ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), *(st[k].data_ptr() for k in (
-        "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel(),
+        "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel(), shard_offset(i),
         st["param_correction"].data_ptr() if "param_correction" in st else 0)
         for p, st, i in items)
     if u is not None:
@@ -871,6 +872,7 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
         grads=tuple(r[1] for r in ptrs), g_align=g_align, p_aligned=p_aligned,
         flags=dict(M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
                    EDEN=bool(cfg["eden"]), HAS_U=u is not None,
+                   PAIRED=all(r[8] // B % (2 * nb) == 0 for r in ptrs),   # _tile_uniforms
                    P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
                    P_SR=bf16 and not p_corr and cfg.get("param_rounding", "rtn") == "sr", P_CORR=p_corr,
                    ALIGNED=p_aligned and all(r[1] % g_align == 0 for r in ptrs),

@@ -10,14 +10,14 @@ import triton
 import triton.language as tl
 
 from launch_tables import (_DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SQ, TAB_FIRST_PROGRAM,
-                           TAB_GRAD, TAB_N_BLOCKS, TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_P, TAB_WIDTH,
-                           _cached_tables, _device_scalars, _launch_scalars)
+                           TAB_GRAD, TAB_N_BLOCKS, TAB_OFFSET, TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_P,
+                           TAB_WIDTH, _cached_tables, _device_scalars, _launch_scalars)
 from numerics import _denominator
 from param_write import _join_master, _param_bits16, _write_step, read_param
-from sr_bits import _sr_seed, _tl_sr_seed, _uniform
+from sr_bits import _sr_seed, _tl_sr_seed, _uniform, shard_offset, shard_span
 
 
-def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", seed=0, u_p=None):
+def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", seed=0, u_p=None, span=None):
     """One AdamW step of one FP32-state tensor in plain PyTorch (paper B's 32-bit baseline; the
     tensors too small to quantize): eq. 2.1a-b with the moments stored as they are, the same
     float32 operations as adamw4bit_step_torch. The specification adamw_step_triton matches bit
@@ -29,7 +29,8 @@ def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", see
     state:  dict with exp_avg, exp_avg_sq (float32, param's shape), updated in place.
     lr, b1, b2, eps, wd: AdamW's (floats); t: this step's number (>= 1).
     rule:   the BF16 write, "rtn"|"sr"; seed: seeds the generator of the SR uniforms, or u_p
-            (float32, param's numel) replaces them (kernel tests).
+            (float32, param's numel) replaces them (kernel tests); span: an FSDP2 shard's (offset,
+            whole numel), whose uniforms are its whole tensor's there (sr_bits.span_uniforms).
     """
     m, v = state["exp_avg"], state["exp_avg_sq"]
     g = grad.float()
@@ -43,7 +44,7 @@ def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", see
     gen = None
     if rule == "sr" and param.dtype == torch.bfloat16 and corr is None and u_p is None:
         gen = torch.Generator(device=param.device).manual_seed(seed)
-    _write_step(param, w, corr, rule, u_p, gen)
+    _write_step(param, w, corr, rule, u_p, gen, span)
 
 
 def _split_fp32(items, fused_devices):
@@ -63,7 +64,7 @@ def _fp32_loop(loop, k, hp, rule, seed):
     """adamw_step_torch on _split_fp32's loop items (param, state, t, seed index) at step t + k,
     hp = (lr, b1, b2, eps, wd), rule = param_rounding, seed: the optimizer's."""
     for p, st, t, i in loop:
-        adamw_step_torch(p, p.grad, st, *hp, t + k, rule, _sr_seed(seed, t + k, i))
+        adamw_step_torch(p, p.grad, st, *hp, t + k, rule, _sr_seed(seed, t + k, i), span=shard_span(i))
 
 
 def _fused_fp32_args(its, lr=None):
@@ -136,8 +137,9 @@ def _adamw_kernel(program_tensor, launch_table,
     if P_SR:
         if HAS_U:    # tests: the caller's uniforms
             u = tl.load(tl.load(row + TAB_U_P).to(tl.pointer_type(tl.float32)) + i, mask=mask, other=0.0)
-        else:        # stream 2, as the 4-bit kernel's BF16 write
-            u = _uniform(_tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX)), i, 2)
+        else:        # stream 2, as the 4-bit kernel's BF16 write, at i's place in the whole tensor
+            seed = _tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))
+            u = _uniform(seed, i + tl.load(row + TAB_OFFSET), 2)
     h = _param_bits16(w, u, corr + i, mask, P_KIND, P_SR, P_CORR)     # write_param
     tl.store(param.to(tl.pointer_type(tl.int16), bitcast=True) + i, h.to(tl.int16), mask=mask)
 
@@ -149,7 +151,8 @@ def adamw_step_triton(items, lr, b1, b2, eps, wd, t, rule, seed_of_step, cache, 
     items:  (param, state, index) triples of one device, parameter dtype (bfloat16 or float16,
             contiguous), gradient dtype (float32, bfloat16 or float16, contiguous) and step t;
             state as in adamw_step_torch (all with or all without a param_correction); index the
-            parameter's position from 1 (its SR seed is _sr_seed(seed, t, index)).
+            parameter's position from 1 (its SR seed is _sr_seed(seed, t, index)) or an FSDP2
+            shard's sr_bits.ShardIndex (its SR bits are its whole tensor's there).
     rule:   the BF16 write, "rtn"|"sr"; seed_of_step: _seed_of_step(seed, t).
     cache:  a dict kept per optimizer (program and launch tables of each set of tensors).
     u:      optional list of float32 uniform tensors u_p per item (the SR write's), replacing the
@@ -164,7 +167,8 @@ def _adamw_prepare(items, rule, cache, u=None, own_table=False):
     dev = items[0][0].device
     numels = tuple(p.numel() for p, _, _ in items)
     ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), st["exp_avg"].data_ptr(), 0, st["exp_avg_sq"].data_ptr(),
-                  0, i, p.numel(), st["param_correction"].data_ptr() if "param_correction" in st else 0)
+                  0, i, p.numel(), shard_offset(i),
+                  st["param_correction"].data_ptr() if "param_correction" in st else 0)
                  + ((0, 0, u[j].data_ptr()) if u is not None else ())
                  for j, (p, st, i) in enumerate(items))
     progs, tab, extra = _cached_tables(cache, dev, (dev, "adamw", numels), numels, ADAMW_BLOCK,

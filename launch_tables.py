@@ -31,7 +31,8 @@ TAB_U_M = tl.constexpr(9)                # the caller's uniforms u_m, u_v (float
 TAB_U_V = tl.constexpr(10)
 TAB_U_P = tl.constexpr(11)               # and u_p of the BF16 SR write
 TAB_CORRECTION = tl.constexpr(12)        # param_correction (int8, eq. MW; 0 without)
-TAB_WIDTH = tl.constexpr(13)
+TAB_OFFSET = tl.constexpr(13)            # the tensor's first element's position in the whole
+TAB_WIDTH = tl.constexpr(14)             # tensor (an FSDP2 shard's, sr_bits.ShardIndex; else 0)
 
 
 def _program_table(units, per_program, device):
@@ -45,9 +46,10 @@ def _program_table(units, per_program, device):
 def _launch_table(ptrs, first_programs, block_size, device):
     """The launch table, int64 (tensors, TAB_WIDTH) on `device`, from adamw4bit_step_triton's
     per-tensor tuples (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale data
-    pointers, parameter index, numel, param_correction pointer or 0[, u_m, u_v, u_p pointers])."""
+    pointers, parameter index, numel, offset (sr_bits.shard_offset), param_correction pointer or
+    0[, u_m, u_v, u_p pointers])."""
     rows = []
-    for first, (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, index, numel,
+    for first, (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, index, numel, offset,
                 correction, *u) in zip(first_programs, ptrs):
         row = [0] * TAB_WIDTH.value
         row[TAB_FIRST_PROGRAM] = first
@@ -61,6 +63,7 @@ def _launch_table(ptrs, first_programs, block_size, device):
         row[TAB_SEED_OF_INDEX] = _seed_of_index(index)
         row[TAB_U_M], row[TAB_U_V], row[TAB_U_P] = (tuple(u) + (0, 0, 0))[:3]
         row[TAB_CORRECTION] = correction
+        row[TAB_OFFSET] = offset
         rows.append(row)
     return torch.tensor(rows, dtype=torch.int64).to(device)
 

@@ -7,7 +7,7 @@ import torch
 
 from launch_tables import KERNEL_DTYPES
 from param_write import join_master, write_param
-from sr_bits import SHARD_SEED_STRIDE
+from sr_bits import ShardIndex
 
 try:                       # FSDP2 parameters are DTensors; builds without torch.distributed have none
     from torch.distributed.tensor import DTensor, Replicate
@@ -27,13 +27,15 @@ except ImportError:
 # rows. Otherwise (1-D tensors, rows that split blocks, other placements) the shard boundaries may
 # cut a block, so the tensor takes a gathered step: every rank all-gathers param and grad, steps
 # the whole tensor with replicated states (the same bits on every rank) and keeps its own shard;
-# these tensors keep the memory of an unsharded optimizer. SR bits: each local shard draws its own
-# stream (its seed index moves with its global block offset), the same bits as the unsharded run
-# only on the shard at offset 0, so SR runs agree with 1 rank in distribution, not bit for bit.
-# With one rank the shard is the whole tensor: nothing is gathered. A parameter stepped on its
-# local tensor (all but the gathered ones) keeps one alias of it, the same object every step, so
-# step() records and replays its plan as for plain tensors: each step only points the aliases'
-# .grad at the gradients' local tensors (_local_params), which FSDP2 allocates anew each step.
+# these tensors keep the memory of an unsharded optimizer. SR bits: a local shard keeps its
+# parameter's seed index and each element draws the bits of its position in the whole tensor
+# (sr_bits.ShardIndex carries the shard's first element's), so SR runs equal 1 rank and the
+# unwrapped model bit for bit, as RTN runs do (exact for Shard(0), fully_shard's placement: a
+# shard is then a contiguous range of the whole tensor). With one rank the shard is the whole
+# tensor: nothing is gathered. A parameter stepped on its local tensor (all but the gathered ones)
+# keeps one alias of it, the same object every step, so step() records and replays its plan as for
+# plain tensors: each step only points the aliases' .grad at the gradients' local tensors
+# (_local_params), which FSDP2 allocates anew each step.
 
 
 def _is_dtensor(x):
@@ -76,13 +78,14 @@ def _local_state(p, shape, local_rows, dtype, replicated):
 
 
 def _shard_layout(p, quantized, block_size):
-    """(gathered, seed-index offset, (local shape, global offset)) of DTensor p: fixed for a
-    parameter, so AdamW4bit caches it (the offset computation costs ~50 us)."""
+    """(gathered, element offset, (local shape, global offset)) of DTensor p: the element offset
+    is the step's tensor's first element's position in the whole tensor (0 for a gathered one);
+    fixed for a parameter, so AdamW4bit caches it (the offset computation costs ~50 us)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     box = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     gathered = quantized and not _rows_of_blocks(p, block_size) and p.device_mesh.size() > 1
-    first_block = box[1][0] * (p.numel() // max(p.shape[0], 1)) // block_size if quantized else 0
-    return gathered, 0 if gathered else first_block * SHARD_SEED_STRIDE, box
+    offset = 0 if gathered or p.dim() == 0 else box[1][0] * (p.numel() // max(p.shape[0], 1))
+    return gathered, offset, box
 
 
 def _local_step_view(p, st, quantized, layout, views):
@@ -320,14 +323,15 @@ def step_state(opt, p, group, index):
 
 def local_step(opt, p, st, quantized, index, writeback):
     """FSDP2: what the step works on for DTensor parameter p (_local_step_view, its layout cached
-    per parameter): (param, state, seed index, gathered); the copy back after the step is
-    appended to `writeback` (arguments of _write_back)."""
+    per parameter): (param, state, seed index, gathered), the seed index a sr_bits.ShardIndex
+    (p's `index` with the stepped tensor's place in p); the copy back after the step is appended
+    to `writeback` (arguments of _write_back)."""
     layout = opt._shard_layouts.get(id(p))
     if layout is None:
         layout = opt._shard_layouts[id(p)] = _shard_layout(p, quantized, opt.qcfg["block_size"])
     lp, local, gathered = _local_step_view(p, st, quantized, layout, opt._local_views)
     writeback.append((p, st, lp, local, gathered, layout[2]))
-    return lp, local, index + layout[1], gathered
+    return lp, local, ShardIndex(index, layout[1], p.numel()), gathered
 
 
 def state_nbytes(opt):

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from numerics import bf16_rne_bits, tl_bf16_rne_bits, tl_bf16_round_bits
+from sr_bits import span_uniforms
 
 PARAM_ROUNDINGS = ("rtn", "sr")
 MASTER_WEIGHT_BITS = (None, 24)
@@ -97,10 +98,11 @@ def read_param(param, correction=None):
 # ============================================================================================
 
 
-def _write_step(param, w, corr, rule, u_p, gen):
-    # the step's parameter write (write_param); the BF16 SR uniforms come after m's and v's
+def _write_step(param, w, corr, rule, u_p, gen, span=None):
+    # the step's parameter write (write_param); the BF16 SR uniforms come after m's and v's (span:
+    # an FSDP2 shard's place in its whole tensor, sr_bits.span_uniforms)
     if rule == "sr" and param.dtype == torch.bfloat16 and corr is None and u_p is None:
-        u_p = torch.rand(w.shape, dtype=torch.float32, device=w.device, generator=gen)
+        u_p = span_uniforms(w.shape, gen, w.device, span)
     write_param(param, w, rule, corr, u_p)
 
 

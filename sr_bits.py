@@ -1,6 +1,7 @@
 """
 The random bits of AdamW4bit's stochastic rounding (paper B, Def. 5; the BF16 SR write): the seed
-scheme, written once, and the Triton uniforms drawn from it. Touches no tensor of the optimizer.
+scheme, written once, the Triton uniforms drawn from it and the reference's torch draws. Touches
+no tensor of the optimizer.
 
 Seed scheme: the bits of step t of the parameter with index i (its position in the optimizer,
 from 1) depend only on (seed, t, i), so a resumed run draws the same bits:
@@ -9,9 +10,15 @@ from 1) depend only on (seed, t, i), so a resumed run draws the same bits:
   sr_seed(seed, t, i)   = (seed_of_step + seed_of_index) mod SEED_MOD
 31 bits, so torch (manual_seed) and Triton (an int32 argument) both take it. The kernels add the
 two terms themselves: the launch table holds seed_of_index per tensor and is the same each step.
-A capturable step reads t on the device and adds t * STEP_MULT to seed_term(seed) there. An FSDP2
-shard moves its index term by SHARD_SEED_STRIDE per block of global offset.
+A capturable step reads t on the device and adds t * STEP_MULT to seed_term(seed) there.
+
+Within a tensor an element's bits depend only on its position in the whole tensor: the kernels'
+Philox counter is that position (a launch table column holds a tensor's first element's), and the
+references draw the whole tensor's torch.rand and keep their part. So an FSDP2 shard (a
+ShardIndex, its parameter's seed index with the shard's place) draws the bits that the same
+elements draw unsharded, and a run gives the same numbers on any world size, bit for bit.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -21,8 +28,6 @@ SEED_MOD = 2 ** 31 - 1        # a prime: the terms below never cancel to a share
 SEED_MULT = 1_000_003         # the run seed's multiplier
 STEP_MULT = 65_537            # the step's
 INDEX_MULT = 257              # the parameter index's
-SHARD_SEED_STRIDE = 4099      # seed-index step per block of global offset (a prime, so shards of
-                              # one tensor and other parameters' indices rarely meet)
 _SEED_MOD = SEED_MOD
 _SEED_MOD_TL = tl.constexpr(SEED_MOD)
 _STEP_MULT_TL = tl.constexpr(STEP_MULT)
@@ -46,6 +51,43 @@ def _seed_of_index(index):
 def _sr_seed(seed, t, index):
     """The SR seed of parameter `index` at step t (the reference steps' generator seed)."""
     return (_seed_of_step(seed, t) + _seed_of_index(index)) % SEED_MOD
+
+
+class ShardIndex(int):
+    """A parameter's seed index (its position in the optimizer, from 1) for an FSDP2 shard: the
+    plain index, carrying the shard's place, `offset` (its first element's position in the whole
+    tensor) and `numel` (the whole tensor's element count), so its SR bits are the whole tensor's
+    at those positions."""
+
+    def __new__(cls, index, offset, numel):
+        self = super().__new__(cls, index)
+        self.offset, self.numel = int(offset), int(numel)
+        return self
+
+    def __getnewargs__(self):     # copy and pickle: int's would pass the index alone
+        return int(self), self.offset, self.numel
+
+
+def shard_offset(index):
+    """The first element's position in the whole tensor of a ShardIndex's shard; 0 for an int."""
+    return index.offset if isinstance(index, ShardIndex) else 0
+
+
+def shard_span(index):
+    """(offset, whole numel) of a ShardIndex's shard, for span_uniforms; None for an int."""
+    return (index.offset, index.numel) if isinstance(index, ShardIndex) else None
+
+
+def span_uniforms(shape, generator, device, span=None):
+    """The reference's SR uniforms (float32, `shape`) from torch.rand(generator=generator); with
+    span = (offset, numel), for the part [offset, offset + prod(shape)) of a tensor of numel
+    elements (an FSDP2 shard), the whole tensor's draws there. float32 whatever the default dtype:
+    bfloat16 draws take ~1700 values and bias SR."""
+    if span is None:
+        return torch.rand(shape, dtype=torch.float32, device=device, generator=generator)
+    offset, numel = span
+    u = torch.rand(numel, dtype=torch.float32, device=device, generator=generator)
+    return u[offset:offset + torch.Size(shape).numel()].view(shape)
 
 
 @triton.jit
@@ -81,9 +123,34 @@ def _uniforms(seed, byte, stream):
 
 
 @triton.jit
+def _uniforms_at(seed, byte, stream, HALF: tl.constexpr):
+    # _uniforms of one tile's bytes wherever the tile starts: the (even, odd element) uniforms
+    # that byte `byte` of the whole tensor gets in an unsharded launch, where tiles of HALF bytes
+    # pair from the tensor's start, tile 2k's byte x taking q0, q1 and tile 2k + 1's byte x + HALF
+    # q2, q3 of the call at x. An FSDP2 shard whose first block is not at such a pair's start
+    # pairs its tiles otherwise, so each tile makes its own call (twice _uniforms' Philox work).
+    # HALF is a multiple of 64, so the byte keeps its place in the call (bits 0-5).
+    upper = (byte // HALF) & 1
+    q0, q1, q2, q3 = _uniforms(seed, byte - upper * HALF, stream)
+    return tl.where(upper == 1, q2, q0), tl.where(upper == 1, q3, q1)
+
+
+@triton.jit
+def _pair_uniforms(seed, byte, stream, PAIRED: tl.constexpr, HALF: tl.constexpr):
+    # _uniforms of tiles f and f + NB from the global byte index of tile f's bytes: one call
+    # when tile f is the first of an unsharded launch's pair (PAIRED), else _uniforms_at per tile
+    if PAIRED:
+        u0, u1, u2, u3 = _uniforms(seed, byte, stream)
+    else:
+        u0, u1 = _uniforms_at(seed, byte, stream, HALF)
+        u2, u3 = _uniforms_at(seed, byte + HALF, stream, HALF)
+    return u0, u1, u2, u3
+
+
+@triton.jit
 def _uniform(seed, i, stream):
-    # one uniform per element i (int64) for the FP32-state kernel's SR write: 16 bits of one
-    # Philox4x32-7 call at counter (i, stream), u = (k + 1/2) 2^-16
+    # one uniform per element i (int64, the position in the whole tensor) for the FP32-state
+    # kernel's SR write: 16 bits of one Philox4x32-7 call at counter (i, stream), u = (k + 1/2) 2^-16
     lo = i.to(tl.uint32)
     q0, _, _, _ = philox(lo, (i >> 32).to(tl.uint32), lo * 0 + stream, lo * 0, seed.to(tl.uint32),
                          seed.to(tl.uint32) * 0, 7)
@@ -91,13 +158,16 @@ def _uniform(seed, i, stream):
 
 
 @triton.jit
-def _tile_uniforms(seed, u_m, u_v, u_p, f, pair, lim_f, lim_g, M_SR: tl.constexpr, V_SR: tl.constexpr,
-                   P_SR: tl.constexpr, HAS_U: tl.constexpr, BLOCK_SIZE: tl.constexpr, NB: tl.constexpr):
+def _tile_uniforms(seed, u_m, u_v, u_p, f, off, pair, lim_f, lim_g, M_SR: tl.constexpr, V_SR: tl.constexpr,
+                   P_SR: tl.constexpr, HAS_U: tl.constexpr, PAIRED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   NB: tl.constexpr):
     # The SR uniforms of the 4-bit kernel's two tiles f and g = f + NB, as even and odd halves:
     # (m, m, v, v, BF16 write, BF16 write) of tile f, then the same six of tile g; 0.0 for a rule
-    # that rounds to nearest. One Philox call per two bytes serves both tiles (_uniforms; streams
-    # 0, 1, 2 for v, m, the write). HAS_U, for tests only: the caller's uniforms, read from u_m,
-    # u_v, u_p (rows < lim_f of tile f and < lim_g of tile g lie inside the tensor).
+    # that rounds to nearest. Drawn at the bytes' positions in the whole tensor (off: the global
+    # block of the tensor's block 0; an FSDP2 shard's, else 0), one Philox call per two bytes
+    # serving both tiles when f + off starts a pair of tiles (PAIRED; _pair_uniforms; streams 0,
+    # 1, 2 for v, m, the write). HAS_U, for tests only: the caller's uniforms, read from u_m, u_v,
+    # u_p (rows < lim_f of tile f and < lim_g of tile g lie inside the tensor).
     um0, um1, uv0, uv1, up0, up1 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     um2, um3, uv2, uv3, up2, up3 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     if HAS_U:
@@ -109,12 +179,13 @@ def _tile_uniforms(seed, u_m, u_v, u_p, f, pair, lim_f, lim_g, M_SR: tl.constexp
             up0, up1 = _caller_uniforms(u_p, f, pair, lim_f, BLOCK_SIZE)
             up2, up3 = _caller_uniforms(u_p, f + NB, pair, lim_g, BLOCK_SIZE)
     else:
+        byte = (f + off) * (BLOCK_SIZE // 2) + pair       # tile f's bytes in the whole tensor
         if V_SR:
-            uv0, uv1, uv2, uv3 = _uniforms(seed, f * (BLOCK_SIZE // 2) + pair, 0)
+            uv0, uv1, uv2, uv3 = _pair_uniforms(seed, byte, 0, PAIRED, NB * BLOCK_SIZE // 2)
         if M_SR:
-            um0, um1, um2, um3 = _uniforms(seed, f * (BLOCK_SIZE // 2) + pair, 1)
+            um0, um1, um2, um3 = _pair_uniforms(seed, byte, 1, PAIRED, NB * BLOCK_SIZE // 2)
         if P_SR:
-            up0, up1, up2, up3 = _uniforms(seed, f * (BLOCK_SIZE // 2) + pair, 2)
+            up0, up1, up2, up3 = _pair_uniforms(seed, byte, 2, PAIRED, NB * BLOCK_SIZE // 2)
     return um0, um1, uv0, uv1, up0, up1, um2, um3, uv2, uv3, up2, up3
 
 

@@ -55,6 +55,7 @@ import experiments
 import gaussws as g
 import philox
 import runlock
+import sr_bits
 import tools
 import train
 from codebooks import CODEBOOKS, NF4, dynamic_map, get_codebook
@@ -1025,6 +1026,28 @@ def test_kernel_sr_uniforms_are_16_bit_halves_of_philox():
         assert out.unique().numel() > 1000                  # 1024 draws, (almost) all distinct
 
 
+def test_kernel_sr_uniforms_of_a_tile_anywhere_equal_its_pairs():
+    """_pair_uniforms without PAIRED (an FSDP2 shard whose first block does not start a pair of
+    tiles) gives the bytes of tiles f and f + 1 the uniforms that the paired calls (one _uniforms
+    for tiles 2k and 2k + 1) give them, for f even and odd, also past 2^32 bytes."""
+    @triton.jit
+    def k(out, seed, base, PAIRED: tl.constexpr):
+        i = tl.arange(0, 64)
+        us = sr_bits._pair_uniforms(seed, base + i, 1, PAIRED, 64)
+        for q in tl.static_range(4):
+            tl.store(out + q * 64 + i, us[q])
+
+    def run(base, paired):
+        out = torch.zeros(4, 64)
+        k[(1,)](out, 11, base, paired)
+        return out
+    for base in (0, 64, 3 * 64, 2 ** 32 + 5 * 64):
+        lo = base - base % 128                           # the pair holding tile `base`
+        tiles = [u[rows] for u in (run(lo, True), run(lo + 128, True)) for rows in ([0, 1], [2, 3])]
+        j = (base - lo) // 64
+        assert torch.equal(run(base, False), torch.cat([tiles[j], tiles[j + 1]])), base
+
+
 def test_kernel_philox_sr_is_unbiased():
     # With b1 = b2 = 0 the working moments are m = g and v = g² (bias correction 1 at t = 1), so
     # one step stores Q(g) and Q(g²). Each 128-element pattern is repeated R times; per element,
@@ -1229,7 +1252,7 @@ def _launch(fn, tmp, world, *args, timeout=300):
 # shapes: whole-row blocks, even (40 rows) and uneven (33 rows) on 2 ranks; rows that split
 # blocks (64 elements) and a 1-D tensor (the gathered step); an FP32-state vector
 _FSDP_SHAPES = [(40, 256), (33, 128), (96, 64), (4096,), (33,)]
-_FSDP_PRESETS = ("torchao", "zeeden")     # the RTN presets: bit-identical for any world size
+_FSDP_PRESETS = ("torchao", "zeeden")     # RTN presets, bit-identical for any world size (SR: _SR_SHAPES below)
 
 
 class _Quadratic(nn.Module):
@@ -1464,6 +1487,67 @@ def test_fsdp_replayed_step_equals_full_step(tmp_path, world):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert len(res[True]["grads_left"]) == len(res[True]["params"])
         assert all(g is None for g in res[True]["grads_left"])
+
+
+# SR under fully_shard: each element draws the bits of its place in the whole tensor. (33, 128),
+# a block a row: on 2 ranks 17 + 16 rows (a shard at block 17, whose tile pairs are not the
+# unsharded tensor's: the kernel's per-tile path), on 3 ranks 11 * 3 (blocks 11 and 22: both
+# paths); FP32-state rows (33, 16), split alike, and a vector (45,), 23 + 22 and 15 * 3. The run is
+# BF16 with the SR write, the first tensor the LM head past lm_head_sr_after: m, v and the write
+# draw SR bits, one after the other (the FP32-state tensors through their kernel under "triton").
+_SR_SHAPES = [(33, 128), (33, 16), (45,)]
+
+
+class _Linear(_Quadratic):
+    """sum_i (i + 1) <p_i, x_i>, x_i rounded to quarters: gradients of few significant bits, so
+    FSDP2's mean of 3 ranks' equal gradients is exact (as of 2, for any gradient)."""
+
+    def forward(self, xs):
+        return sum((p * ((x * 4).round() / 4) * (i + 1)).sum() for i, (p, x) in enumerate(zip(self.ps, xs)))
+
+
+def _sr_run(impl, shard):
+    """2 ZIP-SR steps of _Linear(_SR_SHAPES) (BF16, fully_shard if `shard`; above): the whole
+    parameters, states (flat) and each parameter's element offset on this rank."""
+    from torch.distributed.tensor import DTensor
+    model = _Linear(shapes=_SR_SHAPES).bfloat16()
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+        model = fully_shard(model)
+    opt = A.AdamW4bit(model.parameters(), lr=1e-2, preset="zipsr", impl=impl, param_rounding="sr")
+    opt.mark_lm_head(model.ps[0])
+    opt.set_progress(0.95)
+    _quadratic_steps(model, opt, 0, 2)
+    full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1)   # noqa: E731
+    return dict(params=_full(model), offsets=[opt._shard_layouts.get(id(p), (0, 0))[1] for p in model.parameters()],
+                states=[{k: full(v) for k, v in opt.state[p].items() if k != "step"} for p in model.parameters()])
+
+
+def _fsdp_sr_runs(rank, world, tmp):
+    return {impl: _sr_run(impl, True) for impl in ("torch", "triton")}
+
+
+@pytest.fixture(scope="module")
+def sr_unwrapped():
+    return {impl: _sr_run(impl, False) for impl in ("torch", "triton")}
+
+
+@pytest.mark.xdist_group("fsdp_sr")   # one worker computes the unwrapped runs once
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fsdp_sr_bits_equal_on_one_two_three_ranks(tmp_path, sr_unwrapped, world):
+    """ZIP-SR's v (Update-SR), the LM head's m SR and the BF16 SR write draw the same bits under
+    fully_shard on 1, 2 and 3 ranks as without it, for even and uneven shards, shards whose first
+    block does not start a pair of kernel tiles, FP32-state rows and vectors: 2 steps give the
+    unwrapped model's parameters and states bit for bit, reference and kernel."""
+    rows = {1: ([33], [33], [45]), 2: ([17, 16], [17, 16], [23, 22]), 3: ([11] * 3, [11] * 3, [15] * 3)}[world]
+    for rank, res in enumerate(_launch("_fsdp_sr_runs", tmp_path, world)):
+        for impl, want in sr_unwrapped.items():
+            got = res[impl]
+            assert got["offsets"] == [sum(r[:rank]) * (s[1] if len(s) > 1 else 1) for r, s in zip(rows, _SR_SHAPES)]
+            for a, b, shape in zip(want["params"], got["params"], _SR_SHAPES):
+                assert torch.equal(a, b), (world, rank, impl, shape)
+            for a, b, shape in zip(want["states"], got["states"], _SR_SHAPES):
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (world, rank, impl, shape)
 
 
 # ---------------------------------------------------------------------------------------------
