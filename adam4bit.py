@@ -407,10 +407,7 @@ class AdamW4bit(torch.optim.Optimizer):
     def set_progress(self, fraction):
         """Tell the optimizer the training progress, a float in [0, 1] (step / total_steps);
         ValueError outside."""
-        fraction = float(fraction)
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"progress fraction must be in [0, 1], got {fraction}")
-        self.progress = fraction
+        self.progress = optim_args.check_progress(fraction)
 
     def m_rounding_for(self, param):
         """The first-moment rounding ("rtn"|"sr") that the next step uses for `param`."""

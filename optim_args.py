@@ -184,6 +184,17 @@ def check_new_group(opt, group):
                             f"nearest); got float16 of shape {tuple(p.shape)}")
 
 
+def check_progress(fraction):
+    """set_progress's argument as a float in [0, 1]; ValueError naming it otherwise."""
+    try:
+        value = float(fraction)
+    except (TypeError, ValueError):
+        raise ValueError(f"set_progress(fraction): a number in [0, 1] (step / total steps), got {fraction!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"set_progress(fraction): must be in [0, 1] (step / total steps), got {value}")
+    return value
+
+
 def check_group(opt, gi, group, lr_value=True):
     """The hyperparameter checks of group gi (`_check_hparams`; with capturable=True, betas whose
     bias corrections reach 1 within the table's rows). lr_value=False skips the value of a

@@ -615,8 +615,10 @@ def test_lm_head_switches_to_sr_after_90_percent():
         o.set_progress(0.9)
         assert o.m_rounding_for(m[2].weight) == expect
         assert o.m_rounding_for(m[0].weight) == "rtn"         # other params unaffected
-    with pytest.raises(ValueError, match="progress"):
-        o.set_progress(1.5)
+    for bad, said in ((1.5, r"must be in \[0, 1\].*got 1.5"), ("x", r"a number in \[0, 1\].*got 'x'"),
+                      (None, "got None")):
+        with pytest.raises(ValueError, match=r"^set_progress\(fraction\): " + said):
+            o.set_progress(bad)
     with pytest.raises(ValueError, match="not a parameter"):
         o.mark_lm_head(torch.nn.Parameter(torch.zeros(3)))
 
