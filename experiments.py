@@ -1,12 +1,15 @@
 r"""
-Paper reproduction at small scale: the quality runs (both papers' loss comparisons, same data,
-seeds and steps for every run), paper A's experiment 5 (trained tiles cast to the Table C
+Paper reproduction: the quality runs (both papers' loss comparisons, same data, seeds and steps
+for every run; small models, or each claim's runs at GPT-2-124M), paper A's experiment 5 (trained tiles cast to the Table C
 formats, Figure 5's learned bitwidths), and the `plots` command (plots.py draws the figures
 from the result JSON files). Runs on CPU or GPU; speed is measured by bench.py.
 
     python experiments.py quality --dataset D --preset small   # the papers' loss comparisons
     python experiments.py quality --preset mini --dataset D --seeds 0,1,2,3 --tokens_per_param 20 \
         --jobs 20 --train_args "--tokenizer byte --batch_size 128"   # 20 concurrent train.py runs
+    python experiments.py quality --suite gpt2 --preset gpt2-124m --dataset D --iters 2880 --seeds 0,1,2 \
+        --jobs 3 --resume --max_runs 11 --out_dir out-q124 --train_args "--tokenizer gpt2 --eval_interval 240"
+        # results/quality.md section 16; --resume continues from what out-q124 holds
     python experiments.py plots                        # a PNG beside every results/*.json
     python experiments.py plots results/X_optim.json   # the named files only
 
