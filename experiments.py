@@ -1,8 +1,9 @@
 r"""
 Paper reproduction: the quality runs (both papers' loss comparisons, same data, seeds and steps
-for every run; small models, or each claim's runs at GPT-2-124M), paper A's experiment 5 (trained tiles cast to the Table C
-formats, Figure 5's learned bitwidths), and the `plots` command (plots.py draws the figures
-from the result JSON files). Runs on CPU or GPU; speed is measured by bench.py.
+for every run; small models, or each claim's runs at GPT-2-124M), paper A's experiment 5
+(trained tiles cast to the Table C formats, Figure 5's learned bitwidths), and the `plots`
+command (plots.py draws the figures from the result JSON files). Runs on CPU or GPU; speed is
+measured by bench.py.
 
     python experiments.py quality --dataset D --preset small   # the papers' loss comparisons
     python experiments.py quality --preset mini --dataset D --seeds 0,1,2,3 --tokens_per_param 20 \
