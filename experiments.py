@@ -132,6 +132,27 @@ def _train_inprocess(argv, d):
         print(f"[quality] {d}: {e}")
 
 
+def _die_with_parent():
+    # in a train.py child before it runs (Linux): SIGTERM when the harness dies, even by kill -9,
+    # so no run goes on unwatched (it stops at a checkpoint, and --resume continues it)
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _last_lines(path, start, n=8):
+    """The last n lines that a train.py child wrote to path from byte `start` on, without its
+    progress bars."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode("utf-8", "replace")
+    lines = [x for x in text.replace("\r", "\n").splitlines() if x.strip() and "it/s" not in x]
+    return "\n".join(lines[-n:])
+
+
 def _train_subprocesses(todo, jobs):
     """Run `python train.py ARGV` for each (argv, out_dir) of todo, `jobs` at a time; with more than
     one visible GPU each run gets the least-loaded one (CUDA_VISIBLE_DEVICES; round-robin when the
@@ -161,14 +182,15 @@ def _train_subprocesses(todo, jobs):
                 elif not gpus and "OMP_NUM_THREADS" not in env:   # CPU: share the cores
                     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
                 os.makedirs(d, exist_ok=True)
-                fh = open(os.path.join(d, "train.out"), "w")
+                fh = open(os.path.join(d, "train.out"), "a")   # a resumed run's earlier parts stay
+                start = fh.tell()
                 p = subprocess.Popen([sys.executable, os.path.join(here, "train.py"), *argv],
-                                     stdout=fh, stderr=subprocess.STDOUT, env=env)
-                running.append((p, d, gpu, fh, time.time()))
+                                     stdout=fh, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+                running.append((p, d, gpu, fh, time.time(), start))
                 print(f"[quality] started {d}" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
             time.sleep(0.2)
             for r in [r for r in running if r[0].poll() is not None]:
-                p, d, gpu, fh, t0 = r
+                p, d, gpu, fh, t0, start = r
                 fh.close()
                 running.remove(r)
                 status = "done"
@@ -176,13 +198,17 @@ def _train_subprocesses(todo, jobs):
                     if any(x.get("type") == "error" for x in trainer.read_log(os.path.join(d, "log.jsonl"))):
                         status = "diverged"
                     else:
-                        with open(os.path.join(d, "train.out")) as f:
-                            failed[d] = f"exit {p.returncode}: " + f.read()[-2000:]
-                        status = f"FAILED (exit {p.returncode}, see {d}/train.out)"
+                        how = (f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0
+                               else f"exit {p.returncode}")
+                        failed[d] = f"{how}: " + _last_lines(os.path.join(d, "train.out"), start)
+                        status = f"FAILED ({how}, see {d}/train.out)"
                 print(f"[quality] {status} {d} ({time.time() - t0:.0f} s)", flush=True)
     finally:   # interrupted (Ctrl-C, a time limit): do not leave runs behind
         for p, *_ in running:
             p.terminate()
+        if running:
+            print(f"[quality] stopped with {len(running)} run(s) going: they stop at a checkpoint; continue "
+                  f"with the same command and --resume", flush=True)
         if main_thread:
             signal.signal(signal.SIGTERM, old_handler)
     return failed
@@ -193,8 +219,55 @@ def _trained(d):
     (an "error" record): its numbers are in its log.jsonl."""
     import train as trainer
     recs = trainer.read_log(os.path.join(d, "log.jsonl"))
-    return any(r.get("type") == "error" or (r.get("type") == "summary" and r["iters"] >= r["max_iters"])
-               for r in recs)
+    return any(r.get("type") == "error" or (r.get("type") == "summary" and isinstance(r.get("iters"), int)
+                                            and r["iters"] >= r.get("max_iters", math.inf)) for r in recs)
+
+
+def _read_cast(d):
+    """The run's cast.json (save_cast), or None when it is missing or damaged (with a note: it is
+    made again while the run's checkpoint is there)."""
+    path = os.path.join(d, "cast.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            cast = json.load(f)
+        if isinstance(cast, dict) and isinstance(cast.get("row"), dict) and "bitwidth" in cast:
+            return cast
+    except (OSError, ValueError):
+        pass
+    print(f"[quality] {path} is damaged: left out (made again from the run's ckpt.pt when it has one)")
+    return None
+
+
+def _same_run(d, argv):
+    """RunError unless run folder d was trained with train.py flags `argv` (its argv.json, written
+    when the harness starts it; --out_dir, --resume and --overwrite aside): --resume must not mix a
+    finished run of other flags into a comparison."""
+    import train as trainer
+    path = os.path.join(d, "argv.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        old, new = _flags(json.load(f)), _flags(argv)
+    diff = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    if diff:
+        said = lambda flags: " ".join(f"{k} {flags[k]}".strip() for k in diff if k in flags) or "not given"  # noqa: E731
+        raise trainer.RunError(f"--resume: {d} was trained with other train.py flags ({said(old)} then, "
+                               f"{said(new)} now); use its flags, or another --out_dir for these")
+
+
+def _flags(argv):
+    # {flag: value} of a train.py argv, the last of a repeated flag as argparse takes it, without
+    # --out_dir, --resume and --overwrite: what makes two runs the same run
+    flags, last = {}, None
+    for a in argv:
+        if a.startswith("--"):
+            last, value = (a.split("=", 1) + [""])[:2]
+            flags[last] = value
+        elif last is not None:
+            flags[last] = (flags[last] + " " + a).strip()
+    return {k: v for k, v in flags.items() if k not in ("--out_dir", "--resume", "--overwrite")}
 
 
 def _read_run(d):
@@ -210,10 +283,7 @@ def _read_run(d):
     k = max(1, len(pts) // 50)          # moving average over 2 % of the steps (paper B Figure 1)
     smooth = [(pts[i][0], sum(win := steps[max(0, i - k + 1):i + 1]) / len(win))
               for i in range(0, len(pts), max(1, len(pts) // 200))]
-    cast = None
-    if os.path.exists(os.path.join(d, "cast.json")):
-        with open(os.path.join(d, "cast.json")) as f:
-            cast = json.load(f)
+    cast = _read_cast(d)
     return dict(dir=d, log=os.path.join(d, "log.jsonl"), diverged_at=err["iter"] if err else None,
                 val_curve=[(r["iter"], r["val_loss"]) for r in recs if r.get("type") == "eval"],
                 train_curve=smooth, params=s.get("params"),
@@ -223,17 +293,18 @@ def _read_run(d):
                 final_train_loss=sum(tail) / len(tail) if steps and not err else None, cast=cast)
 
 
-def _gap(per, base):
+def _gap(seeds, per, base):
     """Gap of a run's final val losses to the baseline's, paired by seed (same seed: same data
-    order and initial weights): (mean, standard error or None with one pair, per-seed gaps)."""
-    gaps = [r["final_val_loss"] - b["final_val_loss"] for r, b in zip(per, base)
-            if r and b and r["final_val_loss"] is not None and b["final_val_loss"] is not None
-            and r["diverged_at"] is None and b["diverged_at"] is None]
+    order and initial weights): (mean, standard error or None with one pair, [(seed, gap)])."""
+    pairs = [(s, r["final_val_loss"] - b["final_val_loss"]) for s, r, b in zip(seeds, per, base)
+             if r and b and r["final_val_loss"] is not None and b["final_val_loss"] is not None
+             and r["diverged_at"] is None and b["diverged_at"] is None]
+    gaps = [g for _, g in pairs]
     if not gaps:
         return None, None, []
     mean = sum(gaps) / len(gaps)
     se = (sum((x - mean) ** 2 for x in gaps) / (len(gaps) - 1) / len(gaps)) ** 0.5 if len(gaps) > 1 else None
-    return mean, se, gaps
+    return mean, se, pairs
 
 
 def _bytes_per_param(run, extra):
@@ -278,19 +349,22 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                     runs.setdefault((method, optim, extra, tag, seed), _run_dir(out_dir, method, optim, extra, tag, seed))
     casts = {runs[(*_spec(r)[:3], _spec(r)[4], s)]: f"{_spec(r)[3]} s{s}"
              for s in seeds for r in (experiments.get("pqt", []) if cast else [])}
-    todo, pending = [], []
+    todo = []
     for (method, optim, extra, tag, seed), d in runs.items():
-        if resume and _trained(d):
-            continue
-        if max_runs is not None and len(todo) >= max_runs:
-            pending.append(d)
-            continue
         argv = [*train_args, "--method", method, "--optim", optim, *extra, "--seed", str(seed),
                 "--out_dir", d, "--no-plot"]
+        if resume and (_trained(d) or os.path.exists(os.path.join(d, "ckpt.pt"))):
+            _same_run(d, argv)
+        if (resume and _trained(d)) or (max_runs is not None and len(todo) >= max_runs):
+            continue
         if os.path.exists(os.path.join(d, "ckpt.pt")):        # continue it, or train it again
             argv.append("--resume" if resume else "--overwrite")
         elif os.path.exists(os.path.join(d, "log.jsonl")):    # stopped before its first checkpoint
             argv.append("--overwrite")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "argv.json.tmp"), "w") as f:   # what --resume compares (_same_run)
+            json.dump(argv, f)
+        os.replace(os.path.join(d, "argv.json.tmp"), os.path.join(d, "argv.json"))
         todo.append((argv, d))
     failed = {}
     if todo and jobs > 1:
@@ -315,7 +389,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             finals = [r["final_val_loss"] for _, r in done]
             ok = bool(finals) and all(x is not None and math.isfinite(x) for x in finals)
             base = per if base is None else base
-            gap, gap_se, gaps = _gap(per, base)
+            gap, gap_se, gaps = _gap(exp_seeds, per, base)
             first = done[0][1] if done else None
             rows[label] = dict(
                 method=method, optim=optim, flags=list(extra), seeds=[s for s, _ in done], final_val_loss=finals,
@@ -354,12 +428,35 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             plot_bitwidth(drawn[1]["layers"], os.path.join(out_dir, "bitwidth.png"),
                           f"{drawn[0]}: learned b_t per layer (paper A Figure 5)")
         plot_cast(out["cast"], os.path.join(out_dir, "cast.png"))
+    pending = [d for d in runs.values() if not _trained(d) and d not in failed]
     out["failed_runs"], out["pending_runs"] = failed, pending
     for d, msg in failed.items():
         print(f"[quality] run {d} FAILED: {msg[-500:]}")
     if pending:
-        print(f"[quality] {len(pending)} run(s) pending (--max_runs {max_runs}); continue with --resume")
+        print(f"[quality] {len(pending)} run(s) not finished; continue with the same command and --resume")
     return out
+
+
+def quality_tables(out):
+    """Markdown tables of a bench_quality result, one per experiment: each run's seeds, mean final
+    val loss, gap to the experiment's first run paired by seed (+- standard error), weights +
+    optimizer state per parameter, and for "optim" the share of TorchAO's gap closed."""
+    lines = []
+    for exp, rows in out["experiments"].items():
+        optim = exp == "optim"
+        lines += [f"**{exp}**", "",
+                  "| run | seeds | val loss | gap ± s.e. | B/param |" + (" TorchAO gap closed |" if optim else ""),
+                  "|---|---|---:|---:|---:|" + ("---:|" if optim else "")]
+        for label, r in rows.items():
+            gap = "—" if r["gap_to_first"] is None else f"{r['gap_to_first']:+.4f}" + (
+                f" ± {r['gap_se']:.4f}" if r.get("gap_se") else "")
+            mean = "pending" if not r["seeds"] else "diverged" if r["mean"] is None else f"{r['mean']:.4f}"
+            bpp = "—" if r.get("bytes_per_param") is None else f"{r['bytes_per_param']:.2f}"
+            share = r.get("share_of_torchao_gap_closed")
+            lines.append(f"| {label} | {','.join(map(str, r['seeds'])) or '—'} | {mean} | {gap} | {bpp} |"
+                         + (f" {'—' if share is None else f'{share:.0%}'} |" if optim else ""))
+        lines.append("")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,11 +602,14 @@ def run_quality(args, ap, tool, command):
         ap.error(f"--jobs {args.jobs}: must be an integer >= 1")
     if args.out_dir is not None and not args.out_dir.strip():
         ap.error(f"--out_dir {args.out_dir!r}: empty; give a folder, or leave the flag out for the default")
+    if args.out_dir is not None and os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        ap.error(f"--out_dir {args.out_dir}: a file, not a folder; give a folder for the run folders")
     if args.iters is not None and args.iters < 1:
         ap.error(f"--iters {args.iters}: must be an integer >= 1 (steps per run)")
     managed = {"--max_iters": "--iters", "--tokens_per_param": "--tokens_per_param", "--seed": "--seeds",
                "--method": "--experiments", "--optim": "--experiments", "--out_dir": "--out_dir",
-               "--resume": "--resume", "--preset": "--preset", "--dataset": "--dataset"}
+               "--resume": "--resume", "--preset": "--preset", "--dataset": "--dataset",
+               "--stop_after": "--max_runs (whole runs) or a time limit, then --resume"}
     try:
         train_tokens = shlex.split(args.train_args)
     except ValueError as e:
@@ -521,11 +621,16 @@ def run_quality(args, ap, tool, command):
                      f"use {tool}'s {managed[flag]}")
     length = ["--max_iters", str(args.iters)] if args.iters else ["--tokens_per_param", str(args.tokens_per_param)]
     out_dir = args.out_dir or f"results/quality_{'' if torch.cuda.is_available() else 'cpu_'}{args.preset}"
-    res = bench_quality(["--preset", args.preset, "--dataset", args.dataset, *length, *train_tokens],
-                        seeds=seeds, out_dir=out_dir, experiments={k: suite[k] for k in exps},
-                        jobs=args.jobs, resume=args.resume, command=command, max_runs=args.max_runs)
+    import train as trainer
+    try:
+        res = bench_quality(["--preset", args.preset, "--dataset", args.dataset, *length, *train_tokens],
+                            seeds=seeds, out_dir=out_dir, experiments={k: suite[k] for k in exps},
+                            jobs=args.jobs, resume=args.resume, command=command, max_runs=args.max_runs)
+    except trainer.RunError as e:   # a run's flags or files (train.py's own errors, a changed --resume)
+        ap.exit(2, f"{tool}: error: {e}\n")
     # an explicit --out_dir keeps its JSON there; the default goes to results/ by GPU and date
     save("quality", res, os.path.join(args.out_dir, "quality.json") if args.out_dir else None)
+    print(quality_tables(res))
     if res["failed_runs"]:
         raise SystemExit(f"{len(res['failed_runs'])} quality run(s) failed: {', '.join(res['failed_runs'])}")
     return res

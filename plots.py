@@ -65,7 +65,7 @@ def plot_quality(exp, rows, png, train_loss=False):
         return {k: sum(v) / len(v) for k, v in sorted(by_step.items())}
     curves = {label: mean_curve(row) for label, row in rows.items()}
     base = next(iter(curves.values()), {})
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4))
     for label, cv in curves.items():
         n = len(rows[label].get("curves", []))
         if cv:
@@ -80,6 +80,20 @@ def plot_quality(exp, rows, png, train_loss=False):
     ax2.set_ylabel(f"val loss - {next(iter(rows), '')} (means)")
     ax2.set_title(f"{exp}: gap to the first run, from 20 % of the steps")
     ax2.grid(alpha=0.3)
+    # each seed's final val loss per run (a seed's runs share data order and initial weights, so
+    # the lines between a seed's points show the paired gaps the tables report)
+    names = list(rows)
+    for seed in sorted({s for row in rows.values() for s in row.get("seeds", [])}):
+        pts = [(i, row["final_val_loss"][row["seeds"].index(seed)]) for i, row in enumerate(rows.values())
+               if seed in row.get("seeds", []) and row["final_val_loss"][row["seeds"].index(seed)] is not None]
+        if pts:
+            ax3.plot(*zip(*pts), lw=0.6, marker="o", ms=4, label=f"seed {seed}")
+    ax3.set_xticks(range(len(names)), [n if len(n) <= 26 else n[:25] + "…" for n in names], rotation=30,
+                   ha="right", fontsize=7)
+    ax3.set_ylabel("final val loss")
+    ax3.set_title(f"{exp}: final val loss per seed")
+    ax3.grid(alpha=0.3)
+    ax3.legend(fontsize=7)
     _finish(plt, fig, ax, png)
 
 

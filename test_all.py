@@ -5056,6 +5056,22 @@ def test_unreadable_checkpoint_is_one_clear_line(tmp_path):
         train.load_checkpoint(str(tmp_path / "log.jsonl"))
 
 
+def test_resume_of_a_finished_run_whose_summary_was_cut_writes_it(corpus, tmp_path):
+    """A finished run whose log lost its summary line mid-write (or ends in bytes that are not
+    UTF-8): --resume trains zero steps and writes the summary, with the final val loss of its last
+    eval, instead of leaving the run without one."""
+    out = tmp_path / "run"
+    args = base_args(corpus, out, "--max_iters", "4", "--eval_interval", "2")
+    done = train.main(args)
+    raw = (out / "log.jsonl").read_bytes()
+    (out / "log.jsonl").write_bytes(raw[:raw.rindex(b'{"type": "summary"') + 30] + b"\xff\xfe")
+    assert not [r for r in train.read_log(str(out / "log.jsonl")) if r["type"] == "summary"]
+    again = train.main(args + ["--resume"])
+    log = train.read_log(str(out / "log.jsonl"))
+    assert log[-1] == again and again["iters"] == 4 and again["final_val_loss"] == done["final_val_loss"]
+    assert [r["type"] for r in log].count("summary") == 1
+
+
 def test_a_data_dir_that_cannot_be_made_is_named(corpus, tmp_path):
     """--data_dir where no folder can be made: one line naming the flag, not a bare OSError."""
     blocker = tmp_path / "file"
@@ -6035,7 +6051,7 @@ def test_quality_runs_seed_by_seed_and_resume_from_logs_without_checkpoints(corp
     b, gw = pqt["bf16/adamw"], pqt["gaussws/adamw"]
     assert b["seeds"] == gw["seeds"] == [0, 1] and noise["rerun"]["seeds"] == [0]
     gaps = [x - y for x, y in zip(gw["final_val_loss"], b["final_val_loss"])]
-    assert gw["gap_per_seed"] == gaps and gw["gap_to_first"] == pytest.approx(sum(gaps) / 2)
+    assert gw["gap_per_seed"] == list(zip((0, 1), gaps)) and gw["gap_to_first"] == pytest.approx(sum(gaps) / 2)
     assert gw["gap_se"] == pytest.approx(abs(gaps[0] - gaps[1]) / 2)     # std / sqrt(2) of two values
     assert noise["rerun"]["final_val_loss"] == [b["final_val_loss"][0]]  # CPU runs repeat bit for bit
     assert set(out["cast"]) == {"bf16/adamw s0", "gaussws/adamw s0", "bf16/adamw s1", "gaussws/adamw s1"}
@@ -6043,6 +6059,17 @@ def test_quality_runs_seed_by_seed_and_resume_from_logs_without_checkpoints(corp
                                                                                        "gaussws/adamw s1"}
     assert b["bytes_per_param"] == pytest.approx(4 + b["optimizer_state_mb"] * 2 ** 20 / train.read_log(
         tmp_path / "bf16_adamw_s0" / "log.jsonl")[-1]["params"])
+    # a damaged cast.json is left out with a note, not a crash; --resume with other flags is refused
+    (tmp_path / "gaussws_adamw_s1" / "cast.json").write_text('{"row": ')
+    again = experiments.bench_quality(args, seeds=(0, 1), out_dir=str(tmp_path), experiments=exps, resume=True)
+    assert "gaussws/adamw s1" not in again["cast"] and again["experiments"] == out["experiments"]
+    with pytest.raises(train.RunError, match=r"gaussws_adamw_s0 was trained with other train.py flags "
+                                             r"\(--max_iters 4 then, --max_iters 6 now\)"):
+        experiments.bench_quality([*args, "--max_iters", "6"], seeds=(0,), out_dir=str(tmp_path),
+                                  experiments={"pqt": exps["pqt"][1:]}, resume=True)
+    table = experiments.quality_tables(out)
+    assert f"| gaussws/adamw | 0,1 | {gw['mean']:.4f} | {gw['gap_to_first']:+.4f} ± {gw['gap_se']:.4f} |" in table
+    assert "| rerun | 0 |" in table and table.count("**") == 4
 
 
 def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):

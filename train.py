@@ -528,9 +528,10 @@ def main(argv=None):
         set_grad_accum(args, proc.world, ckpt)
         batches = setup_data(args, proc)
         model, replaced = setup_model(args, proc, batches)
-        if ckpt is not None and resume_is_done(args, ckpt):  # keep the log and its summary as they are
-            log = read_log(os.path.join(args.out_dir, "log.jsonl"))
-            return next((r for r in reversed(log) if r.get("type") == "summary"), None)
+        summary = next((r for r in reversed(read_log(os.path.join(args.out_dir, "log.jsonl")))
+                        if r.get("type") == "summary"), None) if ckpt is not None else None
+        if ckpt is not None and resume_is_done(args, ckpt, summary is not None):   # the log kept as it is
+            return summary
         say_setup(args, proc, batches, model, replaced)
         if args.fsdp:
             shard_model(model, proc.world)

@@ -186,11 +186,17 @@ def check_resume_kind(args):
         raise RunError(f"--resume: {folder} holds {kind} ({other[0]}), not {this} one: resume it with {how}")
 
 
-def resume_is_done(args, ckpt):
+def resume_is_done(args, ckpt, has_summary=True):
     """True (with a message) when the checkpoint is already at the step this run would stop at
-    (checked once --max_iters is known). RunError when it was written with other flags."""
+    (checked once --max_iters is known), unless the log lacks the summary such a run ends with
+    (has_summary=False: cut off mid-write; the run goes on for zero steps and writes it). RunError
+    when it was written with other flags."""
     check_resume_config(ckpt["config"], run_config(args), resume_path(args))
     if ckpt["iter_num"] < end_iter(args):
+        return False
+    if not has_summary:
+        say(f"--resume: {resume_path(args)} is at step {ckpt['iter_num']}, where this run ends, and "
+            f"{os.path.join(args.out_dir, 'log.jsonl')} has no summary (cut off?): writing it")
         return False
     finished = ckpt["iter_num"] >= args.max_iters
     if ckpt["iter_num"] == args.max_iters:

@@ -337,8 +337,16 @@ def read_log(path):
     file and line."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    with open(path, "rb") as f:
+        raw = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    lines = []
+    for n, line in raw:
+        try:
+            lines.append((n, line.decode("utf-8")))
+        except UnicodeDecodeError as e:   # a torn or foreign write: JSON text is UTF-8
+            if n != raw[-1][0]:
+                raise RunError(f"{path} line {n} is not UTF-8 text ({e.reason}); fix or delete that line") from None
+            lines.append((n, "\ufffd"))   # the last line: skipped below, as a cut-off one is
     records = []
     for n, line in lines:
         try:
