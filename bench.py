@@ -14,6 +14,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only train --table1 --compile --no-gpt2 --models llama-1b   # one Table 1 row
     python bench.py --only train --table1 --compile blocks --no-gpt2   # Table 1, each block compiled
     python bench.py --only ddp --dataset D   # 2 GPUs (torchrun) vs 1 GPU, same global batch
+    python bench.py --only multigpu --dataset D   # 1 GPU vs DDP vs FSDP2 on all GPUs, + DCP resumed on 1
     python bench.py --only fsdp              # train.py --fsdp under torchrun vs the plain path, same GPU, compiled
                                              # (GPT-2's tokenizer: tiktoken's files, or TIKTOKEN_CACHE_DIR offline)
     python bench.py --only fsdp --eager      # the same with train.py --no-compile
@@ -39,6 +40,7 @@ import torch
 import experiments
 import gaussws as g
 from bench_kernels import bench_host, bench_noise, bench_optim
+from bench_multigpu import CASES as MULTIGPU_CASES, bench_multigpu
 from bench_training import FSDP_WARMUP, TABLE1, bench_ddp, bench_fsdp, bench_memory, bench_train, bench_train_gpt2
 from bench_util import save
 
@@ -50,8 +52,8 @@ def build_parser():
     import train as trainer
     ap = trainer.OneLineParser(prog="bench.py", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "capacity", "ddp", "fsdp",
-                                       "quality", "plots"],
+    ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "capacity", "ddp", "multigpu",
+                                       "fsdp", "quality", "plots"],
                     default=None, help="run one section (default: all but capacity, ddp and quality); quality and "
                                        "plots run experiments.py's code")
     ap.add_argument("--dataset", default="stdlib", help="--only ddp/fsdp/quality: train.py's --dataset")
@@ -76,12 +78,26 @@ def build_parser():
                          "model per run fits a time limit)")
     ap.add_argument("--methods", default="bf16,gaussws,diffq", help="--only train --table1: PQT methods (bf16 first)")
     ap.add_argument("--optims", default="adamw,zipsr", help="--only train --table1: optimizers")
+    ap.add_argument("--cases", default=",".join(f"{m}/{o}" for m, o in MULTIGPU_CASES),
+                    help="--only multigpu: train.py --method/--optim pairs, comma-separated, in this order")
     ap.add_argument("--eager", action="store_true", help="--only fsdp: train.py --no-compile")
     ap.add_argument("--reps", type=int, default=3,
                     help="--only fsdp: interleaved repetitions (plain, fsdp, plain, fsdp, ...)")
     experiments.add_quality_args(ap.add_argument_group("--only quality (as experiments.py quality)"),
                                  skip=("--dataset", "--iters"))
     return ap
+
+
+def multigpu_cases(ap, text):
+    """--cases as (method, optim) pairs; one-line error naming what is allowed."""
+    import train as trainer
+    pairs = [tuple(x.split("/")) for x in text.split(",") if x]
+    bad = [x for x in text.split(",") if len(x.split("/")) != 2 or x.split("/")[0] not in trainer.METHODS
+           or x.split("/")[1] not in trainer.OPTIMS]
+    if bad or not pairs or len(set(pairs)) != len(pairs):
+        ap.error(f"--cases {text!r}: each a train.py method/optim pair, once (methods {', '.join(trainer.METHODS)}; "
+                 f"optims {', '.join(trainer.OPTIMS)})")
+    return pairs
 
 
 def check_args(ap, args):
@@ -113,14 +129,17 @@ def check_args(ap, args):
         shlex.split(args.train_args)
     except ValueError as e:
         ap.error(f"--train_args {args.train_args!r}: {e} (quote it as one shell word)")
+    if args.only == "multigpu":
+        multigpu_cases(ap, args.cases)
     if args.only == "fsdp" and args.iters is not None and args.iters <= FSDP_WARMUP:
         ap.error(f"--iters {args.iters}: --only fsdp times the steps from {FSDP_WARMUP} on, so it needs more "
                  f"than {FSDP_WARMUP}")
 
 
 # the sections that read each flag (--only unset: optim, noise, memory and train)
-READ_BY = dict(quick=("optim",), dataset=("ddp", "fsdp", "quality"), iters=("ddp", "fsdp", "quality"),
-               eager=("fsdp",), reps=("fsdp",), train_args=("fsdp", "quality"),
+READ_BY = dict(quick=("optim",), dataset=("ddp", "multigpu", "fsdp", "quality"),
+               iters=("ddp", "multigpu", "fsdp", "quality"), cases=("multigpu",),
+               eager=("fsdp",), reps=("fsdp",), train_args=("multigpu", "fsdp", "quality"),
                **{k: ("train",) for k in ("modes", "pairs", "gpt2", "table1", "methods", "optims", "compile", "models")},
                **{k: ("quality",) for k in ("experiments", "jobs", "out_dir", "preset", "resume", "seeds",
                                             "tokens_per_param")})
@@ -189,6 +208,15 @@ def main(argv=None):
         save("ddp", bench_ddp(["--preset", "gpt2-124m", "--dataset", args.dataset, "--batch_size", "16",
                                "--grad_accum", "2", "--max_iters", str(args.iters or 300), "--eval_interval", "50",
                                "--eval_windows", "64", "--no-plot"]))
+    if args.only == "multigpu":
+        n = torch.cuda.device_count()
+        if n < 2:
+            raise SystemExit(f"--only multigpu needs 2 or more GPUs of one host; this one has {n}")
+        flags = ["--preset", "gpt2-124m", "--dataset", args.dataset, "--tokenizer", "gpt2", "--batch_size", "16",
+                 "--max_iters", str(args.iters or 150), "--eval_interval", "25", "--eval_windows", "64",
+                 *shlex.split(args.train_args)]
+        save("multigpu", bench_multigpu(flags, nproc=n, cases=multigpu_cases(ap, args.cases),
+                                        command="python bench.py " + shlex.join(argv)))
     if args.only == "fsdp":   # GaussWS + ZIP-SR as users run train.py on CUDA: compiled (--eager: not), GPT-2's
         # tokenizer (gpt2, not auto: no silent fall-back to bytes; their 256-entry LM head leaves a host-bound step)
         flags = ["--preset", "gpt2-124m", "--dataset", args.dataset, "--tokenizer", "gpt2", "--method", "gaussws",

@@ -161,6 +161,7 @@ def plot_results(paths):
     """PNG next to each result JSON (results/<gpu>_<date>_<section>.json -> .png): optim (step
     time per optimizer, bandwidth floor), train (Table 1 overhead vs BF16), memory (bytes/param
     per training-state part), noise (eq. 3 forward time per shape), ddp (1 vs N GPU loss curves),
+    multigpu (per case: val loss of 1 GPU, DDP, FSDP2 and FSDP2 resumed on 1; tokens/s),
     quality (final val loss per run and seed; beside it <stem>_<experiment>.png, each
     experiment's curves when the JSON has them, <stem>_cast.png for experiment 5 and
     <stem>_bitwidth.png, the Figure 5 chart). Returns the PNG paths written."""
@@ -173,9 +174,9 @@ def plot_results(paths):
             r = json.load(f)
         stem = path[:-5]
         section = os.path.basename(stem).rsplit("_", 1)[-1]   # <gpu>_<date>_<section>, or quality.json
-        if section not in ("optim", "memory", "noise", "train", "ddp", "quality"):
+        if section not in ("optim", "memory", "noise", "train", "ddp", "multigpu", "quality"):
             print(f"(no plot for {path}: the file name must end in _<section>.json, section one of "
-                  "optim, memory, noise, train, ddp, quality)")
+                  "optim, memory, noise, train, ddp, multigpu, quality)")
             continue
         try:
             png = _plot_one(plt, r, section, path, stem)
@@ -241,6 +242,24 @@ def _plot_one(plt, r, section, path, stem):
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.legend(fontsize=7)
+    elif section == "multigpu":      # per case: val loss per eval of each run; tokens/s of each
+        cases = r["cases"]
+        fig, axs = plt.subplots(len(cases), 2, figsize=(11, 3 * len(cases)), squeeze=False)
+        runs = {"one": "1 GPU", "ddp": f"DDP x{r['nproc']}", "fsdp": f"FSDP2 x{r['nproc']}",
+                "fsdp_1": f"FSDP2 x{r['nproc']} checkpoint, resumed on 1 GPU"}
+        for (ax, ax2), (case, row) in zip(axs, cases.items()):
+            for k, label in runs.items():
+                ax.plot(*zip(*row[k]["val"]), lw=1, marker="o", ms=3, label=label)
+            ax.set_title(f"{case}: val loss", fontsize=9)
+            ax.set_xlabel("step")
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+            tps = [row[k]["tokens_per_s"] or 0 for k in ("one", "ddp", "fsdp")]
+            ax2.bar(range(3), tps, color=["tab:gray", "tab:blue", "tab:orange"])
+            ax2.set_xticks(range(3), ["1 GPU"] + [f"{x} ({row['efficiency'][k]:.0%})" if row["efficiency"][k]
+                                                  else x for k, x in (("ddp", runs["ddp"]), ("fsdp", runs["fsdp"]))])
+            ax2.set_title(f"{case}: tokens/s (scaling efficiency)", fontsize=9)
+            ax2.grid(axis="y", alpha=0.3)
     elif section == "quality":
         exps = r["experiments"]
         fig, axs = plt.subplots(len(exps), 1, figsize=(8, 1.2 + 0.45 * sum(len(e) for e in exps.values())),

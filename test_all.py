@@ -5610,6 +5610,34 @@ def test_train_fsdp_resumes_on_another_world_size_and_matches_one_process(corpus
     assert abs(summary["final_val_loss"] - plain["final_val_loss"]) < 1e-4
 
 
+def test_bench_multigpu_runs_one_ddp_fsdp_and_a_dcp_resume_on_one(corpus, tmp_path, monkeypatch):
+    """bench.py --only multigpu's runs on 2 gloo processes (torchrun, CPU): one process with
+    --grad_accum 2, DDP and FSDP2 on 2 and the FSDP2 checkpoint continued on 1 agree at every eval
+    up to summation order; FSDP2 holds less optimizer state per process than one process; the
+    figure draws from the result."""
+    import bench_multigpu
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    text, data_dir = corpus
+    flags = ["--preset", "nano", "--dataset", text, "--data_dir", data_dir, "--tokenizer", "byte", "--batch_size", "2",
+             "--eval_windows", "4", "--eval_interval", "2", "--max_iters", "4", "--no-compile"]
+    r = bench_multigpu.bench_multigpu(flags, out_dir=str(tmp_path / "mg"), cases=(("bf16", "zipsr"),))
+    row = r["cases"]["bf16/zipsr"]
+    assert r["nproc"] == 2 and r["stop_after"] == 2
+    assert [row[k]["world"] for k in ("one", "ddp", "fsdp", "fsdp_1")] == [1, 2, 2, 1]
+    for k in ("ddp", "fsdp", "fsdp_1"):
+        assert [i for i, _ in row[k]["val"]] == [0, 2, 4]
+        assert np.allclose([v for _, v in row[k]["val"]], [v for _, v in row["one"]["val"]], rtol=0, atol=1e-4), k
+    assert row["one"]["optimizer_state_mb"] == row["ddp"]["optimizer_state_mb"]
+    assert row["fsdp"]["optimizer_state_mb"] < 0.7 * row["one"]["optimizer_state_mb"]
+    assert row["state_ratio_fsdp"] == row["fsdp"]["optimizer_state_mb"] / row["one"]["optimizer_state_mb"]
+    assert set(row["efficiency"]) == {"ddp", "fsdp"} and row["final_val"]["fsdp_1"] == row["fsdp_1"]["val"][-1][1]
+    pytest.importorskip("matplotlib")
+    path = str(tmp_path / "GPU_2026-01-01_multigpu.json")
+    with open(path, "w") as f:
+        json.dump(r, f)
+    assert experiments.plot_results([path]) == [path[:-5] + ".png"]
+
+
 def test_train_fsdp_one_rank_equals_plain_bit_for_bit(corpus, tmp_path):
     """--fsdp on one rank (parameters kept unsharded between the micro-steps, AdamW4bit's
     recorded plan replayed on the local tensors: FP32 states, so the CPU replays too) gives one
