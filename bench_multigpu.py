@@ -53,8 +53,8 @@ def _numbers(recs):
 
 def bench_multigpu(train_args, out_dir="out-multigpu", nproc=2, cases=CASES, stop_after=None, command=None):
     """The runs of the module docstring for each case of `cases` ((method, optim) pairs), with
-    train.py flags `train_args` (which set --max_iters; stop_after, default two thirds of it at an
-    eval, is where the FSDP2 run writes the checkpoint fsdp_1 continues). Returns {"nproc",
+    train.py flags `train_args` (which set --max_iters; stop_after, default two thirds of it, is
+    where the FSDP2 run writes the checkpoint fsdp_1 continues). Returns {"nproc",
     "command", "cases": {"method/optim": {"one", "ddp", "fsdp", "fsdp_1": _numbers(...),
     "efficiency": {"ddp", "fsdp"}, "state_ratio_fsdp": FSDP2's optimizer state per GPU over one
     GPU's, "final_val": {run: last val loss}}}}."""
