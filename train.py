@@ -528,8 +528,9 @@ def main(argv=None):
         set_grad_accum(args, proc.world, ckpt)
         batches = setup_data(args, proc)
         model, replaced = setup_model(args, proc, batches)
+        ended = ckpt is not None and ckpt["iter_num"] >= end_iter(args)   # only then is the log read here
         summary = next((r for r in reversed(read_log(os.path.join(args.out_dir, "log.jsonl")))
-                        if r.get("type") == "summary"), None) if ckpt is not None else None
+                        if r.get("type") == "summary"), None) if ended else None
         if ckpt is not None and resume_is_done(args, ckpt, summary is not None):   # the log kept as it is
             return summary
         say_setup(args, proc, batches, model, replaced)
