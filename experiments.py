@@ -252,7 +252,8 @@ def _same_run(d, argv):
         old, new = _flags(json.load(f)), _flags(argv)
     diff = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
     if diff:
-        said = lambda flags: " ".join(f"{k} {flags[k]}".strip() for k in diff if k in flags) or "not given"  # noqa: E731
+        def said(flags):
+            return " ".join(f"{k} {flags[k]}".strip() for k in diff if k in flags) or "not given"
         raise trainer.RunError(f"--resume: {d} was trained with other train.py flags ({said(old)} then, "
                                f"{said(new)} now); use its flags, or another --out_dir for these")
 
@@ -346,7 +347,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             for run in rs:
                 method, optim, extra, _, tag = _spec(run)
                 if seed in exp_seeds:
-                    runs.setdefault((method, optim, extra, tag, seed), _run_dir(out_dir, method, optim, extra, tag, seed))
+                    runs.setdefault((method, optim, extra, tag, seed),
+                                    _run_dir(out_dir, method, optim, extra, tag, seed))
     casts = {runs[(*_spec(r)[:3], _spec(r)[4], s)]: f"{_spec(r)[3]} s{s}"
              for s in seeds for r in (experiments.get("pqt", []) if cast else [])}
     todo = []
@@ -401,7 +403,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                 **{k: first[k] if first else None for k in ("optimizer_state_mb", "peak_mem_mb", "tokens_per_s")},
                 curves=[dict(seed=s, val=r["val_curve"], train=r["train_curve"]) for s, r in done])
         if exp == "optim":
-            gap_ao = next((r["gap_to_first"] for r in rows.values() if r["optim"] == "torchao" and not r["flags"]), None)
+            gap_ao = next((r["gap_to_first"] for r in rows.values() if r["optim"] == "torchao" and not r["flags"]),
+                          None)
             for r in rows.values():   # undefined unless TorchAO is behind 32-bit AdamW
                 r["share_of_torchao_gap_closed"] = (1 - r["gap_to_first"] / gap_ao
                                                     if gap_ao and gap_ao > 0 and r["gap_to_first"] is not None
@@ -423,7 +426,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                  if (read_cast := (_read_run(d)["cast"] if _trained(d) else None))]
         out["cast"] = {label: c["row"] for label, c in found}
         out["bitwidth"] = {label: c["bitwidth"] for label, c in found if c.get("bitwidth")}
-        drawn = next(((label, c) for label, c in found if c.get("layers") and c["bitwidth"]["method"] == "gaussws"), None)
+        drawn = next(((label, c) for label, c in found
+                      if c.get("layers") and c["bitwidth"]["method"] == "gaussws"), None)
         if drawn:
             plot_bitwidth(drawn[1]["layers"], os.path.join(out_dir, "bitwidth.png"),
                           f"{drawn[0]}: learned b_t per layer (paper A Figure 5)")
