@@ -22,9 +22,9 @@ import os
 import subprocess
 import sys
 
+from bench_util import NO_MULTICAST
+
 CASES = (("bf16", "adamw"), ("gaussws", "zipsr"), ("bf16", "zipsr"), ("gaussws", "adamw"))
-# NVLink multicast off: NCCL's NVLS and symmetric-memory paths are not available on every host
-_ENV = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 
 
 def _train(nproc, flags, out_dir, torchrun=True):
@@ -34,7 +34,7 @@ def _train(nproc, flags, out_dir, torchrun=True):
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
         if torchrun else [sys.executable]
     r = subprocess.run([*launch, os.path.join(here, "train.py"), *flags, "--out_dir", out_dir],
-                       env=dict(os.environ, **_ENV), capture_output=True, text=True)
+                       env=dict(os.environ, **NO_MULTICAST), capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"train.py in {out_dir} ({nproc} process(es)) failed:\n{(r.stdout + r.stderr)[-3000:]}")
     with open(os.path.join(out_dir, "log.jsonl")) as f:

@@ -13,6 +13,7 @@ import torch
 
 import adam4bit as A
 import gaussws as g
+from bench_util import NO_MULTICAST
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,8 +367,7 @@ def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
     import subprocess
     import sys
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
+    env = dict(os.environ, **NO_MULTICAST)
     logs = {}
     for n in (1, nproc):
         run_dir = os.path.join(out_dir, f"{n}proc")
@@ -410,7 +410,7 @@ def bench_fsdp(train_args, out_dir="out-fsdp", nproc=1, reps=3, warmup=FSDP_WARM
     import sys
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env = dict(os.environ, **NO_MULTICAST)
     out = {"plain": [], "fsdp": []}
     for rep in range(reps):
         for kind in ("plain", "fsdp"):

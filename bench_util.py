@@ -10,6 +10,10 @@ import time
 import torch
 import triton
 
+# torchrun's environment for several GPUs of one host: NVLink multicast off (NCCL's NVLS and
+# symmetric-memory paths are not available on every host)
+NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+
 
 # ---------------------------------------------------------------------------------------------
 # timing, bandwidth and power

@@ -224,8 +224,7 @@ def _trained(d):
 
 
 def _read_cast(d):
-    """The run's cast.json (save_cast), or None when it is missing or damaged (with a note: it is
-    made again while the run's checkpoint is there)."""
+    """The run's cast.json (save_cast), or None when it is missing or damaged (with a note)."""
     path = os.path.join(d, "cast.json")
     if not os.path.exists(path):
         return None
@@ -236,7 +235,8 @@ def _read_cast(d):
             return cast
     except (OSError, ValueError):
         pass
-    print(f"[quality] {path} is damaged: left out (made again from the run's ckpt.pt when it has one)")
+    print(f"[quality] {path} is damaged: left out (delete it and --resume makes it again while the run's "
+          f"ckpt.pt is there)")
     return None
 
 
@@ -355,9 +355,10 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     for (method, optim, extra, tag, seed), d in runs.items():
         argv = [*train_args, "--method", method, "--optim", optim, *extra, "--seed", str(seed),
                 "--out_dir", d, "--no-plot"]
-        if resume and (_trained(d) or os.path.exists(os.path.join(d, "ckpt.pt"))):
+        done = resume and _trained(d)
+        if done or (resume and os.path.exists(os.path.join(d, "ckpt.pt"))):
             _same_run(d, argv)
-        if (resume and _trained(d)) or (max_runs is not None and len(todo) >= max_runs):
+        if done or (max_runs is not None and len(todo) >= max_runs):
             continue
         if os.path.exists(os.path.join(d, "ckpt.pt")):        # continue it, or train it again
             argv.append("--resume" if resume else "--overwrite")
@@ -375,18 +376,19 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     else:
         for argv, d in todo:
             _train_inprocess(argv, d)
+    trained = {d: _trained(d) for d in runs.values()}
     for d, label in casts.items():   # experiment 5 while the checkpoints are here
-        if _trained(d) and os.path.exists(os.path.join(d, "ckpt.pt")) and \
+        if trained[d] and os.path.exists(os.path.join(d, "ckpt.pt")) and \
                 not (resume and os.path.exists(os.path.join(d, "cast.json"))):
             save_cast(d, label)
-    read = {k: _read_run(d) if _trained(d) else None for k, d in runs.items()}
+    read = {d: _read_run(d) if trained[d] else None for d in runs.values()}
     res = {}
     for exp, definition in experiments.items():
         rs, exp_seeds = _experiment(definition, seeds)
         rows, base = {}, None
         for run in rs:
             method, optim, extra, label, tag = _spec(run)
-            per = [read[(method, optim, extra, tag, s)] for s in exp_seeds]
+            per = [read[runs[(method, optim, extra, tag, s)]] for s in exp_seeds]
             done = [(s, r) for s, r in zip(exp_seeds, per) if r]
             finals = [r["final_val_loss"] for _, r in done]
             ok = bool(finals) and all(x is not None and math.isfinite(x) for x in finals)
@@ -422,8 +424,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     out = dict(command=command or f"python experiments.py quality  # train.py {' '.join(train_args)}",
                seeds=list(seeds), experiments=res)
     if casts:
-        found = [(label, read_cast) for d, label in casts.items()
-                 if (read_cast := (_read_run(d)["cast"] if _trained(d) else None))]
+        found = [(label, read[d]["cast"]) for d, label in casts.items() if read[d] and read[d]["cast"]]
         out["cast"] = {label: c["row"] for label, c in found}
         out["bitwidth"] = {label: c["bitwidth"] for label, c in found if c.get("bitwidth")}
         drawn = next(((label, c) for label, c in found
@@ -432,7 +433,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             plot_bitwidth(drawn[1]["layers"], os.path.join(out_dir, "bitwidth.png"),
                           f"{drawn[0]}: learned b_t per layer (paper A Figure 5)")
         plot_cast(out["cast"], os.path.join(out_dir, "cast.png"))
-    pending = [d for d in runs.values() if not _trained(d) and d not in failed]
+    pending = [d for d in runs.values() if not trained[d] and d not in failed]
     out["failed_runs"], out["pending_runs"] = failed, pending
     for d, msg in failed.items():
         print(f"[quality] run {d} FAILED: {msg[-500:]}")
