@@ -5619,7 +5619,7 @@ def test_bench_multigpu_runs_one_ddp_fsdp_and_a_dcp_resume_on_one(corpus, tmp_pa
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     text, data_dir = corpus
     flags = ["--preset", "nano", "--dataset", text, "--data_dir", data_dir, "--tokenizer", "byte", "--batch_size", "2",
-             "--eval_windows", "4", "--eval_interval", "2", "--max_iters", "4", "--no-compile"]
+             "--eval_windows", "4", "--eval_interval", "2", "--max_iters", "4", "--no-compile", "--device", "cpu"]
     r = bench_multigpu.bench_multigpu(flags, out_dir=str(tmp_path / "mg"), cases=(("bf16", "zipsr"),))
     row = r["cases"]["bf16/zipsr"]
     assert r["nproc"] == 2 and r["stop_after"] == 2
@@ -5767,6 +5767,18 @@ def test_stray_rank_without_torchrun_is_a_one_line_error(monkeypatch):
     with pytest.raises(SystemExit, match="RANK=0 is set but LOCAL_RANK and WORLD_SIZE not: start a distributed "
                                          "run with torchrun, or unset RANK"):
         train.setup_distributed(argparse.Namespace(device="cpu"))
+
+
+def test_torchrun_with_more_ranks_than_gpus_is_a_one_line_error(monkeypatch):
+    """LOCAL_RANK past the host's GPUs (torchrun --nproc_per_node 2 on one GPU): an error naming
+    the rank, the GPU count and the two ways out, before CUDA's "invalid device ordinal"."""
+    for k, v in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match=r"LOCAL_RANK=1 but this host has 1 GPU\(s\): start torchrun with "
+                                         r"--nproc_per_node at most 1, or add --device cpu"):
+        train.setup_distributed(argparse.Namespace(device="auto"))
 
 
 def _as_fsdp_rank(monkeypatch, world=1):

@@ -42,6 +42,10 @@ def setup_distributed(args):
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     use_cuda = args.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
+        if local_rank >= torch.cuda.device_count():   # else CUDA's "invalid device ordinal" on one rank
+            raise SystemExit(f"train.py: error: LOCAL_RANK={local_rank} but this host has "
+                             f"{torch.cuda.device_count()} GPU(s): start torchrun with --nproc_per_node at most "
+                             f"{torch.cuda.device_count()}, or add --device cpu for gloo on CPU")
         dev = f"cuda:{local_rank}"
         torch.cuda.set_device(dev)
     else:
