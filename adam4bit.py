@@ -572,7 +572,7 @@ def _adamw4bit_kernel(
         step_ptr, lr_ptr, bias_table, bias_rows, DEV: tl.constexpr,
         # the configuration: rounding rules (eq. A.2), EDEN (eq. 3.2), input types and layout
         M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr, EDEN: tl.constexpr,
-        HAS_U: tl.constexpr, ALIGNED: tl.constexpr, PAIRED: tl.constexpr,
+        HAS_U: tl.constexpr, ALIGNED: tl.constexpr, SHARDED: tl.constexpr, PAIRED: tl.constexpr,
         # parameter and gradient dtypes (_DTYPE_KIND: 0 FP32, 1 BF16, 2 FP16) and the BF16 write:
         # SR (P_SR) or eq. MW's 24-bit master weight (P_CORR)
         P_KIND: tl.constexpr, G_KIND: tl.constexpr, P_SR: tl.constexpr, P_CORR: tl.constexpr,
@@ -598,7 +598,9 @@ def _adamw4bit_kernel(
     exp_avg_sq = tl.load(row + TAB_EXP_AVG_SQ).to(tl.pointer_type(tl.uint8))
     exp_avg_sq_scale = tl.load(row + TAB_EXP_AVG_SQ_SCALE).to(tl.pointer_type(tl.float32))
     seed = _tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))     # _sr_seed
-    off = tl.load(row + TAB_OFFSET) // BLOCK_SIZE        # global block of block 0 (FSDP2 shards)
+    off = 0                     # global block of block 0: an FSDP2 shard's (SHARDED), else 0 at
+    if SHARDED:                 # compile time (unsharded launches keep the counter arithmetic short)
+        off = tl.load(row + TAB_OFFSET) // BLOCK_SIZE
     u_m = tl.load(row + TAB_U_M).to(tl.pointer_type(tl.float32))
     u_v = tl.load(row + TAB_U_V).to(tl.pointer_type(tl.float32))
     u_p = tl.load(row + TAB_U_P).to(tl.pointer_type(tl.float32))
@@ -869,7 +871,7 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
         grads=tuple(r[1] for r in ptrs), g_align=g_align, p_aligned=p_aligned,
         flags=dict(M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
                    EDEN=bool(cfg["eden"]), HAS_U=u is not None,
-                   PAIRED=all(r[8] // B % (2 * nb) == 0 for r in ptrs),   # _tile_uniforms
+                   SHARDED=any(r[8] for r in ptrs), PAIRED=all(r[8] // B % (2 * nb) == 0 for r in ptrs),
                    P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
                    P_SR=bf16 and not p_corr and cfg.get("param_rounding", "rtn") == "sr", P_CORR=p_corr,
                    ALIGNED=p_aligned and all(r[1] % g_align == 0 for r in ptrs),

@@ -108,7 +108,7 @@ def _adamw_kernel(program_tensor, launch_table,
                   seed_of_step, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
                   step_ptr, lr_ptr, bias_table, bias_rows, DEV: tl.constexpr,
                   HAS_U: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
-                  P_SR: tl.constexpr, P_CORR: tl.constexpr, BLOCK: tl.constexpr):
+                  P_SR: tl.constexpr, P_CORR: tl.constexpr, SHARDED: tl.constexpr, BLOCK: tl.constexpr):
     if DEV:
         seed_of_step, decay, step_size, inv_sqrt_bc2 = _device_scalars(step_ptr, lr_ptr, bias_table,
                                                                        bias_rows, seed_of_step)
@@ -139,7 +139,10 @@ def _adamw_kernel(program_tensor, launch_table,
             u = tl.load(tl.load(row + TAB_U_P).to(tl.pointer_type(tl.float32)) + i, mask=mask, other=0.0)
         else:        # stream 2, as the 4-bit kernel's BF16 write, at i's place in the whole tensor
             seed = _tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))
-            u = _uniform(seed, i + tl.load(row + TAB_OFFSET), 2)
+            if SHARDED:   # an FSDP2 shard's first element's place; unsharded launches add nothing
+                u = _uniform(seed, i + tl.load(row + TAB_OFFSET), 2)
+            else:
+                u = _uniform(seed, i, 2)
     h = _param_bits16(w, u, corr + i, mask, P_KIND, P_SR, P_CORR)     # write_param
     tl.store(param.to(tl.pointer_type(tl.int16), bitcast=True) + i, h.to(tl.int16), mask=mask)
 
@@ -178,7 +181,7 @@ def _adamw_prepare(items, rule, cache, u=None, own_table=False):
     return dict(dev=None, grid=(progs[0].numel(),), progs=progs[0], tab=tab, grads=tuple(r[1] for r in ptrs),
                 flags=dict(HAS_U=u is not None, P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
                            P_SR=bf16 and not p_corr and rule == "sr", P_CORR=bf16 and p_corr,
-                           BLOCK=ADAMW_BLOCK, num_warps=4, **extra))
+                           SHARDED=any(r[8] for r in ptrs), BLOCK=ADAMW_BLOCK, num_warps=4, **extra))
 
 
 def _adamw_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step, kernel=None):
