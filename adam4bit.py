@@ -598,9 +598,8 @@ def _adamw4bit_kernel(
     exp_avg_sq = tl.load(row + TAB_EXP_AVG_SQ).to(tl.pointer_type(tl.uint8))
     exp_avg_sq_scale = tl.load(row + TAB_EXP_AVG_SQ_SCALE).to(tl.pointer_type(tl.float32))
     seed = _tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))     # _sr_seed
-    off = 0                     # global block of block 0: an FSDP2 shard's (SHARDED), else 0 at
-    if SHARDED:                 # compile time (unsharded launches keep the counter arithmetic short)
-        off = tl.load(row + TAB_OFFSET) // BLOCK_SIZE
+    # global block of block 0: an FSDP2 shard's; 0 at compile time in unsharded launches
+    off = tl.load(row + TAB_OFFSET) // BLOCK_SIZE if SHARDED else 0
     u_m = tl.load(row + TAB_U_M).to(tl.pointer_type(tl.float32))
     u_v = tl.load(row + TAB_U_V).to(tl.pointer_type(tl.float32))
     u_p = tl.load(row + TAB_U_P).to(tl.pointer_type(tl.float32))
