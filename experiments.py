@@ -68,8 +68,10 @@ QUALITY = {
 # again in its own folder with the same flags: "noise" is the same-seed rerun spread.
 _BASE = ("bf16", "adamw", (), "BF16 + 32-bit AdamW")
 QUALITY_GPT2 = {
-    "pqt": [_BASE, ("gaussws", "adamw"), ("diffq", "adamw")],                                  # paper A
-    "optim": [_BASE, ("bf16", "torchao"), ("bf16", "zeeden"), ("bf16", "zipsr")],             # paper B
+    "pqt": [_BASE, ("gaussws", "adamw", (), "GaussWS [all] + AdamW"),                          # paper A
+            ("diffq", "adamw", (), "DiffQ + AdamW")],
+    "optim": [_BASE, ("bf16", "torchao", (), "TorchAO preset"), ("bf16", "zeeden", (), "ZE-EDEN"),  # paper B
+              ("bf16", "zipsr", (), "ZIP-SR")],
     "smallest": [_BASE,
                  ("gaussws", "zipsr", ("--param_dtype", "bf16", "--master_weight_bits", "24"),
                   "GaussWS + ZIP-SR, BF16 params + 24-bit master"),
@@ -308,6 +310,24 @@ def _gap(seeds, per, base):
     return mean, se, pairs
 
 
+def _noise_floor(res):
+    """The same-seed rerun spread: the largest |gap| of experiment "noise"'s reruns to their
+    first run (the same flags and seed twice; GPU kernels that add in no fixed order part them
+    from the first steps). None without such an experiment or before its runs finish."""
+    gaps = [abs(g) for r in list(res.get("noise", {}).values())[1:] for _, g in r["gap_per_seed"]]
+    return max(gaps) if gaps else None
+
+
+def _verdict(gap, se, floor):
+    """A gap to the baseline judged against the noise: "within noise" when |gap| is at most the
+    larger of 2 standard errors (paired by seed) and the same-seed rerun spread `floor`, else
+    "worse" or "better"; None when neither bound is known (one seed, no rerun)."""
+    bound = max(2 * se if se else 0.0, floor or 0.0)
+    if gap is None or not bound:
+        return None
+    return "within noise" if abs(gap) <= bound else "worse" if gap > 0 else "better"
+
+
 def _bytes_per_param(run, extra):
     """Weights + optimizer states in bytes per parameter: 2 for BF16 parameters, else 4, plus the
     measured state (the summary's optimizer_state_mb over its parameter count)."""
@@ -412,6 +432,10 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                                                     if gap_ao and gap_ao > 0 and r["gap_to_first"] is not None
                                                     else None)
         res[exp] = rows
+    floor = _noise_floor(res)
+    for exp, rows in res.items():
+        for i, r in enumerate(rows.values()):
+            r["verdict"] = _verdict(r["gap_to_first"], r["gap_se"], floor) if i and exp != "noise" else None
         print(f"[{exp}] " + "; ".join(
             f"{k}: " + (f"{v['mean']:.4f} ({v['gap_to_first']:+.4f}"
                         + (f" +- {v['gap_se']:.4f}" if v["gap_se"] is not None else "") + f", {len(v['seeds'])} seeds)"
@@ -420,9 +444,10 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                         "pending" if not v["seeds"] else
                         "diverged at step " + ", ".join(str(x) for x in v["diverged_at"]))
             for k, v in rows.items()))
-        plot_quality(exp, rows, os.path.join(out_dir, f"{exp}.png"), train_loss=exp == "zeropoint")
+        plot_quality(exp, rows, os.path.join(out_dir, f"{exp}.png"), train_loss=exp == "zeropoint",
+                     noise_floor=floor)
     out = dict(command=command or f"python experiments.py quality  # train.py {' '.join(train_args)}",
-               seeds=list(seeds), experiments=res)
+               seeds=list(seeds), noise_floor=floor, experiments=res)
     if casts:
         found = [(label, read[d]["cast"]) for d, label in casts.items() if read[d] and read[d]["cast"]]
         out["cast"] = {label: c["row"] for label, c in found}
@@ -445,13 +470,15 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
 def quality_tables(out):
     """Markdown tables of a bench_quality result, one per experiment: each run's seeds, mean final
     val loss, gap to the experiment's first run paired by seed (+- standard error), weights +
-    optimizer state per parameter, and for "optim" the share of TorchAO's gap closed."""
-    lines = []
+    optimizer state per parameter, for "optim" the share of TorchAO's gap closed, and the verdict
+    against the noise (_verdict) where one is known."""
+    lines = [] if out.get("noise_floor") is None else [f"same-seed rerun spread: {out['noise_floor']:.4f}", ""]
     for exp, rows in out["experiments"].items():
         optim = exp == "optim"
         lines += [f"**{exp}**", "",
-                  "| run | seeds | val loss | gap ± s.e. | B/param |" + (" TorchAO gap closed |" if optim else ""),
-                  "|---|---|---:|---:|---:|" + ("---:|" if optim else "")]
+                  "| run | seeds | val loss | gap ± s.e. | B/param |" + (" TorchAO gap closed |" if optim else "")
+                  + " verdict |",
+                  "|---|---|---:|---:|---:|" + ("---:|" if optim else "") + "---|"]
         for label, r in rows.items():
             gap = "—" if r["gap_to_first"] is None else f"{r['gap_to_first']:+.4f}" + (
                 f" ± {r['gap_se']:.4f}" if r.get("gap_se") else "")
@@ -459,7 +486,8 @@ def quality_tables(out):
             bpp = "—" if r.get("bytes_per_param") is None else f"{r['bytes_per_param']:.2f}"
             share = r.get("share_of_torchao_gap_closed")
             lines.append(f"| {label} | {','.join(map(str, r['seeds'])) or '—'} | {mean} | {gap} | {bpp} |"
-                         + (f" {'—' if share is None else f'{share:.0%}'} |" if optim else ""))
+                         + (f" {'—' if share is None else f'{share:.0%}'} |" if optim else "")
+                         + f" {r.get('verdict') or '—'} |")
         lines.append("")
     return "\n".join(lines)
 

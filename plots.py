@@ -29,11 +29,12 @@ def _finish(plt, fig, ax, png):
     print("wrote", png)
 
 
-def plot_quality(exp, rows, png, train_loss=False):
+def plot_quality(exp, rows, png, train_loss=False, noise_floor=None):
     """Curves of an experiment's runs from its result rows (label -> row with "curves").
     train_loss=True: the smoothed training loss of every seed (as in paper B Figure 1). Otherwise
     the val loss averaged over seeds per run, and beside it each run's gap to the first run (the
-    baseline) at the same evals, where differences of 0.01 would be invisible on the loss scale."""
+    baseline) at the same evals, where differences of 0.01 would be invisible on the loss scale,
+    with ± noise_floor (the same-seed rerun spread of the final losses) shaded when given."""
     plt = _pyplot()
     if plt is None:
         return
@@ -76,6 +77,9 @@ def plot_quality(exp, rows, png, train_loss=False):
     ax.set_ylabel("val loss (mean over seeds)")
     ax.set_title(exp)
     ax2.axhline(0, color="k", lw=0.8)
+    if noise_floor:
+        ax2.axhspan(-noise_floor, noise_floor, color="0.88", zorder=0, label="± same-seed rerun spread")
+        ax2.legend(fontsize=7)
     ax2.set_xlabel("step")
     ax2.set_ylabel(f"val loss - {next(iter(rows), '')} (means)")
     ax2.set_title(f"{exp}: gap to the first run, from 20 % of the steps")

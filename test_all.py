@@ -6107,9 +6107,24 @@ def test_quality_runs_seed_by_seed_and_resume_from_logs_without_checkpoints(corp
                                              r"\(--max_iters 4 then, --max_iters 6 now\)"):
         experiments.bench_quality([*args, "--max_iters", "6"], seeds=(0,), out_dir=str(tmp_path),
                                   experiments={"pqt": exps["pqt"][1:]}, resume=True)
+    assert out["noise_floor"] == 0.0 and noise["rerun"]["verdict"] is None and b["verdict"] is None
     table = experiments.quality_tables(out)
     assert f"| gaussws/adamw | 0,1 | {gw['mean']:.4f} | {gw['gap_to_first']:+.4f} ± {gw['gap_se']:.4f} |" in table
-    assert "| rerun | 0 |" in table and table.count("**") == 4
+    assert "| rerun | 0 |" in table and table.count("**") == 4 and table.startswith("same-seed rerun spread: 0.0000")
+
+
+def test_quality_verdict_weighs_a_gap_against_two_standard_errors_and_the_rerun_spread():
+    """A gap is "within noise" up to the larger of 2 s.e. and the same-seed rerun spread, else
+    "worse" or "better"; with neither bound known there is no verdict. The spread is the largest
+    |gap| of experiment "noise"'s reruns to its first run."""
+    v = experiments._verdict
+    assert v(0.0079, 0.0041, 0.0058) == "within noise" and v(0.0079, 0.0030, 0.0058) == "worse"
+    assert v(0.022, None, 0.0058) == "worse" and v(-0.01, 0.001, 0.0058) == "better"
+    assert v(0.01, None, None) is None and v(None, 0.1, 0.1) is None and v(0.001, 0.001, None) == "within noise"
+    rows = lambda *gaps: {"base": dict(gap_per_seed=[]), **{f"r{i}": dict(gap_per_seed=[(0, g)])  # noqa: E731
+                                                             for i, g in enumerate(gaps)}}
+    assert experiments._noise_floor({"noise": rows(-0.0058, 0.003)}) == 0.0058
+    assert experiments._noise_floor({"pqt": rows(0.1)}) is None and experiments._noise_floor({"noise": rows()}) is None
 
 
 def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
