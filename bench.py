@@ -141,7 +141,7 @@ READ_BY = dict(quick=("optim",), dataset=("ddp", "multigpu", "fsdp", "quality"),
                iters=("ddp", "multigpu", "fsdp", "quality"), cases=("multigpu",),
                eager=("fsdp",), reps=("fsdp",), train_args=("multigpu", "fsdp", "quality"),
                **{k: ("train",) for k in ("modes", "pairs", "gpt2", "table1", "methods", "optims", "compile", "models")},
-               **{k: ("quality",) for k in ("experiments", "jobs", "out_dir", "preset", "resume", "seeds",
+               **{k: ("quality",) for k in ("experiments", "jobs", "out_dir", "overwrite", "preset", "resume", "seeds",
                                             "tokens_per_param")})
 
 

@@ -32,6 +32,7 @@ import torch
 import gaussws as g
 from bench_util import save
 from plots import plot_bitwidth, plot_cast, plot_quality, plot_results
+import quality_runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,199 +104,6 @@ def _run_dir(out_dir, method, optim, extra, tag, seed):
     return os.path.join(out_dir, f"{method}_{optim}{flags}{'_' + tag if tag else ''}_s{seed}")
 
 
-def _visible_gpus():
-    """CUDA device ids (as CUDA_VISIBLE_DEVICES strings) a subprocess may be pinned to; [] on CPU."""
-    if not torch.cuda.is_available():
-        return []
-    vis = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
-    return (vis or [str(i) for i in range(torch.cuda.device_count())])[:torch.cuda.device_count()]
-
-
-def _prepare_data(argv):
-    """Check the flags and prepare the dataset once, as train.py would (so concurrent runs do not
-    race to write the same data folder)."""
-    import data as datamod
-    import train as trainer
-    p = trainer.build_parser()
-    a = p.parse_args(argv)
-    trainer.resolve_args(a, p, a.device != "cpu" and torch.cuda.is_available())
-    datamod.prepare(a.dataset, a.tokenizer, data_dir=a.data_dir, max_tokens=a.max_tokens)
-
-
-def _train_inprocess(argv, d):
-    """One run in this process; a diverged run (train.py's RunError on a NaN/inf loss) is left in
-    its log and reported, not raised."""
-    import train as trainer
-    try:
-        trainer.main(argv)
-    except trainer.RunError as e:
-        if "diverged" not in str(e):
-            raise
-        print(f"[quality] {d}: {e}")
-
-
-def _die_with_parent():
-    # in a train.py child before it runs (Linux): SIGTERM when the harness dies, even by kill -9,
-    # so no run goes on unwatched (it stops at a checkpoint, and --resume continues it)
-    try:
-        import ctypes
-        import signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _last_lines(path, start, n=8):
-    """The last n lines that a train.py child wrote to path from byte `start` on, without its
-    progress bars."""
-    with open(path, "rb") as f:
-        f.seek(start)
-        text = f.read().decode("utf-8", "replace")
-    lines = [x for x in text.replace("\r", "\n").splitlines() if x.strip() and "it/s" not in x]
-    return "\n".join(lines[-n:])
-
-
-def _train_subprocesses(todo, jobs):
-    """Run `python train.py ARGV` for each (argv, out_dir) of todo, `jobs` at a time; with more than
-    one visible GPU each run gets the least-loaded one (CUDA_VISIBLE_DEVICES; round-robin when the
-    runs take equal time). A run's output goes to out_dir/train.out. Returns {out_dir: message}
-    for runs that failed other than by diverging (their train.py exited non-zero without an
-    "error" record in log.jsonl)."""
-    import signal
-    import subprocess
-    import threading
-    import time
-    import train as trainer
-    here = os.path.dirname(os.path.abspath(__file__))
-    gpus, queue, running, failed = _visible_gpus(), list(todo), [], {}
-    # a time limit or scheduler sends SIGTERM: raise SystemExit so the finally below ends the runs
-    main_thread = threading.current_thread() is threading.main_thread()
-    old_handler = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if main_thread else None
-    try:
-        while queue or running:
-            while queue and len(running) < jobs:
-                argv, d = queue.pop(0)
-                env = dict(os.environ, PYTHONUNBUFFERED="1")
-                gpu = None
-                if len(gpus) > 1:
-                    load = {x: sum(r[2] == x for r in running) for x in gpus}
-                    gpu = min(gpus, key=load.get)
-                    env["CUDA_VISIBLE_DEVICES"] = gpu
-                elif not gpus and "OMP_NUM_THREADS" not in env:   # CPU: share the cores
-                    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
-                os.makedirs(d, exist_ok=True)
-                fh = open(os.path.join(d, "train.out"), "a")   # a resumed run's earlier parts stay
-                start = fh.tell()
-                p = subprocess.Popen([sys.executable, os.path.join(here, "train.py"), *argv],
-                                     stdout=fh, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
-                running.append((p, d, gpu, fh, time.time(), start))
-                print(f"[quality] started {d}" + (f" on GPU {gpu}" if gpu is not None else ""), flush=True)
-            time.sleep(0.2)
-            for r in [r for r in running if r[0].poll() is not None]:
-                p, d, gpu, fh, t0, start = r
-                fh.close()
-                running.remove(r)
-                status = "done"
-                if p.returncode:
-                    if any(x.get("type") == "error" for x in trainer.read_log(os.path.join(d, "log.jsonl"))):
-                        status = "diverged"
-                    else:
-                        how = (f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0
-                               else f"exit {p.returncode}")
-                        failed[d] = f"{how}: " + _last_lines(os.path.join(d, "train.out"), start)
-                        status = f"FAILED ({how}, see {d}/train.out)"
-                print(f"[quality] {status} {d} ({time.time() - t0:.0f} s)", flush=True)
-    finally:   # interrupted (Ctrl-C, a time limit): do not leave runs behind
-        for p, *_ in running:
-            p.terminate()
-        if running:
-            print(f"[quality] stopped with {len(running)} run(s) going: they stop at a checkpoint; continue "
-                  f"with the same command and --resume", flush=True)
-        if main_thread:
-            signal.signal(signal.SIGTERM, old_handler)
-    return failed
-
-
-def _trained(d):
-    """True if run folder d holds a finished run (a summary at its last step) or a diverged one
-    (an "error" record): its numbers are in its log.jsonl."""
-    import train as trainer
-    recs = trainer.read_log(os.path.join(d, "log.jsonl"))
-    return any(r.get("type") == "error" or (r.get("type") == "summary" and isinstance(r.get("iters"), int)
-                                            and r["iters"] >= r.get("max_iters", math.inf)) for r in recs)
-
-
-def _read_cast(d):
-    """The run's cast.json (save_cast), or None when it is missing or damaged (with a note)."""
-    path = os.path.join(d, "cast.json")
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            cast = json.load(f)
-        if isinstance(cast, dict) and isinstance(cast.get("row"), dict) and "bitwidth" in cast:
-            return cast
-    except (OSError, ValueError):
-        pass
-    print(f"[quality] {path} is damaged: left out (delete it and --resume makes it again while the run's "
-          f"ckpt.pt is there)")
-    return None
-
-
-def _same_run(d, argv):
-    """RunError unless run folder d was trained with train.py flags `argv` (its argv.json, written
-    when the harness starts it; --out_dir, --resume and --overwrite aside): --resume must not mix a
-    finished run of other flags into a comparison."""
-    import train as trainer
-    path = os.path.join(d, "argv.json")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        old, new = _flags(json.load(f)), _flags(argv)
-    diff = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
-    if diff:
-        def said(flags):
-            return " ".join(f"{k} {flags[k]}".strip() for k in diff if k in flags) or "not given"
-        raise trainer.RunError(f"--resume: {d} was trained with other train.py flags ({said(old)} then, "
-                               f"{said(new)} now); use its flags, or another --out_dir for these")
-
-
-def _flags(argv):
-    # {flag: value} of a train.py argv, the last of a repeated flag as argparse takes it, without
-    # --out_dir, --resume and --overwrite: what makes two runs the same run
-    flags, last = {}, None
-    for a in argv:
-        if a.startswith("--"):
-            last, value = (a.split("=", 1) + [""])[:2]
-            flags[last] = value
-        elif last is not None:
-            flags[last] = (flags[last] + " " + a).strip()
-    return {k: v for k, v in flags.items() if k not in ("--out_dir", "--resume", "--overwrite")}
-
-
-def _read_run(d):
-    """Numbers of a finished (or diverged) run from its log.jsonl, and its experiment-5 result
-    (cast.json, written by save_cast) when it has one."""
-    import train as trainer
-    recs = trainer.read_log(os.path.join(d, "log.jsonl"))
-    s = next((r for r in reversed(recs) if r.get("type") == "summary"), None) or {}
-    err = next((r for r in reversed(recs) if r.get("type") == "error"), None)
-    pts = [(r["iter"], r["loss"]) for r in recs if r.get("type") == "step"]
-    steps = [loss for _, loss in pts]
-    tail = steps[-max(1, len(steps) // 10):]
-    k = max(1, len(pts) // 50)          # moving average over 2 % of the steps (paper B Figure 1)
-    smooth = [(pts[i][0], sum(win := steps[max(0, i - k + 1):i + 1]) / len(win))
-              for i in range(0, len(pts), max(1, len(pts) // 200))]
-    cast = _read_cast(d)
-    return dict(dir=d, log=os.path.join(d, "log.jsonl"), diverged_at=err["iter"] if err else None,
-                val_curve=[(r["iter"], r["val_loss"]) for r in recs if r.get("type") == "eval"],
-                train_curve=smooth, params=s.get("params"),
-                final_val_loss=s.get("final_val_loss"), optimizer_state_mb=s.get("optimizer_state_mb"),
-                peak_mem_mb=s.get("peak_mem_mb"), tokens_per_s=s.get("tokens_per_s"),
-                # mean training loss over the last 10 % of steps (None for a diverged run)
-                final_train_loss=sum(tail) / len(tail) if steps and not err else None, cast=cast)
-
-
 def _gap(seeds, per, base):
     """Gap of a run's final val losses to the baseline's, paired by seed (same seed: same data
     order and initial weights): (mean, standard error or None with one pair, [(seed, gap)])."""
@@ -318,11 +126,17 @@ def _noise_floor(res):
     return max(gaps) if gaps else None
 
 
-def _verdict(gap, se, floor):
-    """A gap to the baseline judged against the noise: "within noise" when |gap| is at most the
-    larger of 2 standard errors (paired by seed) and the same-seed rerun spread `floor`, else
-    "worse" or "better"; None when neither bound is known (one seed, no rerun)."""
-    bound = max(2 * se if se else 0.0, floor or 0.0)
+# Student's t, two-sided 95 %, by degrees of freedom (n - 1 for n paired seeds)
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def _verdict(gap, se, floor, n):
+    """A gap to the baseline (mean of n seeds' paired gaps, standard error se) judged against the
+    noise: "within noise" when |gap| is at most the larger of the 95 % t half-width t(n-1) se and
+    the same-seed rerun spread `floor`, else "worse" or "better". None when neither bound is
+    above 0: one seed and no rerun, or a spread of 0 (CPU runs repeat bit for bit, so a rerun
+    measures nothing there)."""
+    bound = max(_T95.get(n - 1, 2.0) * se if se and n > 1 else 0.0, floor or 0.0)
     if gap is None or not bound:
         return None
     return "within noise" if abs(gap) <= bound else "worse" if gap > 0 else "better"
@@ -338,7 +152,7 @@ def _bytes_per_param(run, extra):
 
 
 def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=QUALITY, jobs=1,
-                  cast=True, command=None, resume=False, max_runs=None):
+                  cast=True, command=None, resume=False, max_runs=None, overwrite=False):
     """Train every run of `experiments` for each seed with the same train.py flags (`train_args`:
     preset, dataset, steps, ...) and compare final val losses (mean over seeds; the gap to the
     first run of the experiment paired by seed, with its standard error).
@@ -356,7 +170,10 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     (its checkpoint may be gone), an interrupted one continues from its checkpoint (train.py
     refuses a changed configuration), so a comparison can be spread over many invocations and
     machines. max_runs: train at most this many runs now; the others stay pending (None in
-    their rows' seeds).
+    their rows' seeds). Without resume, run folders already in out_dir are a RunError unless
+    overwrite=True (they are then trained again). The train.py flags are checked (and the
+    dataset prepared) before any run folder is written: a bad flag is a RunError naming it.
+    An experiment whose own seeds are not among `seeds` is left out with a note.
     Writes loss-curve PNGs when matplotlib is installed.
     Returns {"command", "seeds", "experiments": {experiment: {label: {...}}}, "cast", "bitwidth",
     "failed_runs", "pending_runs"}."""
@@ -371,40 +188,63 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                                     _run_dir(out_dir, method, optim, extra, tag, seed))
     casts = {runs[(*_spec(r)[:3], _spec(r)[4], s)]: f"{_spec(r)[3]} s{s}"
              for s in seeds for r in (experiments.get("pqt", []) if cast else [])}
+
+    def run_argv(method, optim, extra, tag, seed):
+        return [*train_args, "--method", method, "--optim", optim, *extra, "--seed", str(seed),
+                "--out_dir", runs[(method, optim, extra, tag, seed)], "--no-plot"]
+
+    if runs:   # a flag train.py refuses stops here, before any run folder is read or written
+        quality_runs.prepare_data(run_argv(*next(iter(runs))), prepare=False)
+    held = [d for d in runs.values()
+            if any(os.path.exists(os.path.join(d, f)) for f in ("log.jsonl", "ckpt.pt", "ckpt"))]
+    if held and not (resume or overwrite):
+        from train import RunError
+        raise RunError(
+            f"{out_dir} already holds {len(held)} of these runs ({', '.join(map(os.path.basename, held[:3]))}"
+            f"{', ...' if len(held) > 3 else ''}): add --resume to keep and continue them, or --overwrite to "
+            "train them again")
+    if resume and runs and not held:
+        print(f"[quality] --resume: {out_dir} holds none of these runs yet; they start from the beginning")
+    os.makedirs(out_dir, exist_ok=True)
     todo = []
-    for (method, optim, extra, tag, seed), d in runs.items():
-        argv = [*train_args, "--method", method, "--optim", optim, *extra, "--seed", str(seed),
-                "--out_dir", d, "--no-plot"]
-        done = resume and _trained(d)
+    for key, d in runs.items():
+        argv = run_argv(*key)
+        done = resume and quality_runs.trained(d)
         if done or (resume and os.path.exists(os.path.join(d, "ckpt.pt"))):
-            _same_run(d, argv)
+            quality_runs.same_run(d, argv)
         if done or (max_runs is not None and len(todo) >= max_runs):
             continue
         if os.path.exists(os.path.join(d, "ckpt.pt")):        # continue it, or train it again
             argv.append("--resume" if resume else "--overwrite")
         elif os.path.exists(os.path.join(d, "log.jsonl")):    # stopped before its first checkpoint
             argv.append("--overwrite")
+        todo.append((argv, d))
+    if todo:
+        quality_runs.prepare_data(todo[0][0])
+    for argv, d in todo:
         os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, "argv.json.tmp"), "w") as f:   # what --resume compares (_same_run)
+        with open(os.path.join(d, "argv.json.tmp"), "w") as f:   # what --resume compares (same_run)
             json.dump(argv, f)
         os.replace(os.path.join(d, "argv.json.tmp"), os.path.join(d, "argv.json"))
-        todo.append((argv, d))
     failed = {}
     if todo and jobs > 1:
-        _prepare_data(todo[0][0])
-        failed = _train_subprocesses(todo, jobs)
+        failed = quality_runs.train_subprocesses(todo, jobs)
     else:
         for argv, d in todo:
-            _train_inprocess(argv, d)
-    trained = {d: _trained(d) for d in runs.values()}
+            quality_runs.train_inprocess(argv, d)
+    trained = {d: quality_runs.trained(d) for d in runs.values()}
     for d, label in casts.items():   # experiment 5 while the checkpoints are here
         if trained[d] and os.path.exists(os.path.join(d, "ckpt.pt")) and \
                 not (resume and os.path.exists(os.path.join(d, "cast.json"))):
             save_cast(d, label)
-    read = {d: _read_run(d) if trained[d] else None for d in runs.values()}
+    read = {d: quality_runs.read_run(d) if trained[d] else None for d in runs.values()}
     res = {}
     for exp, definition in experiments.items():
         rs, exp_seeds = _experiment(definition, seeds)
+        if not exp_seeds:
+            print(f"[{exp}] left out: its runs are for seed(s) {', '.join(map(str, definition['seeds']))}, "
+                  "not in --seeds")
+            continue
         rows, base = {}, None
         for run in rs:
             method, optim, extra, label, tag = _spec(run)
@@ -435,10 +275,12 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     floor = _noise_floor(res)
     for exp, rows in res.items():
         for i, r in enumerate(rows.values()):
-            r["verdict"] = _verdict(r["gap_to_first"], r["gap_se"], floor) if i and exp != "noise" else None
+            r["verdict"] = (_verdict(r["gap_to_first"], r["gap_se"], floor, len(r["gap_per_seed"]))
+                            if i and exp != "noise" else None)
         print(f"[{exp}] " + "; ".join(
             f"{k}: " + (f"{v['mean']:.4f} ({v['gap_to_first']:+.4f}"
-                        + (f" +- {v['gap_se']:.4f}" if v["gap_se"] is not None else "") + f", {len(v['seeds'])} seeds)"
+                        + (f" ± {v['gap_se']:.4f}" if v["gap_se"] is not None else "")
+                        + f", {len(v['seeds'])} seed{'s' * (len(v['seeds']) != 1)})"
                         if v["gap_to_first"] is not None else
                         f"{v['mean']}" if v["mean"] is not None else
                         "pending" if not v["seeds"] else
@@ -472,15 +314,19 @@ def quality_tables(out):
     val loss, gap to the experiment's first run paired by seed (+- standard error), weights +
     optimizer state per parameter, for "optim" the share of TorchAO's gap closed, and the verdict
     against the noise (_verdict) where one is known."""
-    lines = [] if out.get("noise_floor") is None else [f"same-seed rerun spread: {out['noise_floor']:.4f}", ""]
+    floor = out.get("noise_floor")
+    lines = [] if floor is None else [f"same-seed rerun spread: {floor:.4f}"
+                                      + (" (the reruns repeat bit for bit: no bound from it)" if not floor else ""),
+                                      "verdict: within noise when |gap| <= max(95 % t half-width of the paired "
+                                      "gaps, the rerun spread)", ""]
     for exp, rows in out["experiments"].items():
         optim = exp == "optim"
         lines += [f"**{exp}**", "",
                   "| run | seeds | val loss | gap ± s.e. | B/param |" + (" TorchAO gap closed |" if optim else "")
                   + " verdict |",
                   "|---|---|---:|---:|---:|" + ("---:|" if optim else "") + "---|"]
-        for label, r in rows.items():
-            gap = "—" if r["gap_to_first"] is None else f"{r['gap_to_first']:+.4f}" + (
+        for i, (label, r) in enumerate(rows.items()):
+            gap = "—" if r["gap_to_first"] is None or not i else f"{r['gap_to_first']:+.4f}" + (
                 f" ± {r['gap_se']:.4f}" if r.get("gap_se") else "")
             mean = "pending" if not r["seeds"] else "diverged" if r["mean"] is None else f"{r['mean']:.4f}"
             bpp = "—" if r.get("bytes_per_param") is None else f"{r['bytes_per_param']:.2f}"
@@ -584,18 +430,22 @@ def add_quality_args(ap, skip=()):
     """The `quality` flags, added to ap (a parser or an argument group); bench.py --only quality
     shares them and defines the flags in `skip` (--dataset, --iters) itself."""
     flags = {
-        "--dataset": dict(default="stdlib", help="train.py's --dataset"),
+        "--dataset": dict(default="stdlib", help="train.py's --dataset (default stdlib)"),
         "--iters": dict(type=int, default=None, help="train.py --max_iters instead of --tokens_per_param"),
-        "--preset": dict(default="small", help="model preset"),
-        "--tokens_per_param": dict(type=float, default=20, help="run length"),
+        "--preset": dict(default="small", help="train.py's --preset (default small; gpt2-124m for --suite gpt2)"),
+        "--tokens_per_param": dict(type=float, default=None,
+                                   help="run length in training tokens per parameter (default 20; not with --iters)"),
         "--suite": dict(default="small", choices=tuple(SUITES),
-                        help="the experiments' runs: small (QUALITY: small models, extra variants) or gpt2 "
-                             "(QUALITY_GPT2: each claim's runs at GPT-2-124M, with a same-seed rerun)"),
+                        help="the experiments' runs: small (default; QUALITY: small models, extra variants) or "
+                             "gpt2 (QUALITY_GPT2: each claim's runs at GPT-2-124M, with a same-seed rerun of "
+                             "seed 0 whose spread the tables' verdicts use)"),
         "--experiments": dict(default=None,
                               help="comma list of the suite's experiments, default all: "
                                    + "; ".join(f"{k} {','.join(v)}" for k, v in SUITES.items())
                                    + " (pqt adds the Table C cast and the Figure 5 chart)"),
-        "--seeds": dict(default="0,1", help="comma list of seeds"),
+        "--seeds": dict(default="0,1", help="comma list of seeds (default 0,1); each run's gap to the baseline is "
+                                             "paired by seed, and a verdict says whether it is within noise: "
+                                             "|gap| <= max(95 %% t half-width, the rerun spread)"),
         "--jobs": dict(type=int, default=1,
                        help="concurrent train.py subprocesses (spread over visible GPUs); 1 = train in this process"),
         "--train_args": dict(default="",
@@ -604,7 +454,11 @@ def add_quality_args(ap, skip=()):
         "--out_dir": dict(default=None, help="run folders and plots; default results/quality_[cpu_]<preset>"),
         "--resume": dict(action="store_true",
                          help="keep what --out_dir holds: finished runs are read from their logs, "
-                              "interrupted ones continue from their checkpoints"),
+                              "interrupted ones continue from their checkpoints; a run folder trained with "
+                              "other train.py flags (any, --iters and --eval_interval too) is refused"),
+        "--overwrite": dict(action="store_true",
+                            help="train again the runs --out_dir already holds (without it or --resume, "
+                                 "such folders stop the command)"),
         "--max_runs": dict(type=int, default=None,
                            help="train at most this many runs now (seed 0 of every run first); "
                                 "the rest later with --resume"),
@@ -639,6 +493,10 @@ def run_quality(args, ap, tool, command):
         ap.error(f"--out_dir {args.out_dir}: a file, not a folder; give a folder for the run folders")
     if args.iters is not None and args.iters < 1:
         ap.error(f"--iters {args.iters}: must be an integer >= 1 (steps per run)")
+    if args.iters is not None and args.tokens_per_param is not None:
+        ap.error(f"--iters {args.iters} and --tokens_per_param {args.tokens_per_param:g}: give one run length")
+    if args.resume and args.overwrite:
+        ap.error("--resume and --overwrite: keep the runs --out_dir holds, or train them again, not both")
     managed = {"--max_iters": "--iters", "--tokens_per_param": "--tokens_per_param", "--seed": "--seeds",
                "--method": "--experiments", "--optim": "--experiments", "--out_dir": "--out_dir",
                "--resume": "--resume", "--preset": "--preset", "--dataset": "--dataset",
@@ -652,13 +510,15 @@ def run_quality(args, ap, tool, command):
         if flag in managed:
             ap.error(f"--train_args {args.train_args!r}: {flag} is set per run by {tool}; "
                      f"use {tool}'s {managed[flag]}")
-    length = ["--max_iters", str(args.iters)] if args.iters else ["--tokens_per_param", str(args.tokens_per_param)]
+    length = (["--max_iters", str(args.iters)] if args.iters
+              else ["--tokens_per_param", f"{args.tokens_per_param or 20:g}"])
     out_dir = args.out_dir or f"results/quality_{'' if torch.cuda.is_available() else 'cpu_'}{args.preset}"
     import train as trainer
     try:
         res = bench_quality(["--preset", args.preset, "--dataset", args.dataset, *length, *train_tokens],
                             seeds=seeds, out_dir=out_dir, experiments={k: suite[k] for k in exps},
-                            jobs=args.jobs, resume=args.resume, command=command, max_runs=args.max_runs)
+                            jobs=args.jobs, resume=args.resume, command=command, max_runs=args.max_runs,
+                            overwrite=args.overwrite)
     except trainer.RunError as e:   # a run's flags or files (train.py's own errors, a changed --resume)
         ap.exit(2, f"{tool}: error: {e}\n")
     # an explicit --out_dir keeps its JSON there; the default goes to results/ by GPU and date

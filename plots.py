@@ -283,7 +283,8 @@ def _plot_one(plt, r, section, path, stem):
             if exp == "zeropoint":
                 ax.set_xscale("log")
             if any(row.get("curves") for row in rows.values()):
-                plot_quality(exp, rows, f"{stem}_{exp}.png", train_loss=exp == "zeropoint")
+                plot_quality(exp, rows, f"{stem}_{exp}.png", train_loss=exp == "zeropoint",
+                             noise_floor=r.get("noise_floor"))
                 out.append(f"{stem}_{exp}.png")
         if any(v.get("sweep_delta") for v in (r.get("cast") or {}).values()):
             plot_cast(r["cast"], f"{stem}_cast.png")

@@ -6113,18 +6113,52 @@ def test_quality_runs_seed_by_seed_and_resume_from_logs_without_checkpoints(corp
     assert "| rerun | 0 |" in table and table.count("**") == 4 and table.startswith("same-seed rerun spread: 0.0000")
 
 
-def test_quality_verdict_weighs_a_gap_against_two_standard_errors_and_the_rerun_spread():
-    """A gap is "within noise" up to the larger of 2 s.e. and the same-seed rerun spread, else
-    "worse" or "better"; with neither bound known there is no verdict. The spread is the largest
-    |gap| of experiment "noise"'s reruns to its first run."""
+def test_quality_verdict_weighs_a_gap_against_the_t_interval_and_the_rerun_spread():
+    """A gap is "within noise" up to the larger of the 95 % t half-width of the paired gaps and the
+    same-seed rerun spread, else "worse" or "better"; with no bound above 0 there is no verdict.
+    The spread is the largest |gap| of experiment "noise"'s reruns to its first run."""
     v = experiments._verdict
-    assert v(0.0079, 0.0041, 0.0058) == "within noise" and v(0.0079, 0.0030, 0.0058) == "worse"
-    assert v(0.022, None, 0.0058) == "worse" and v(-0.01, 0.001, 0.0058) == "better"
-    assert v(0.01, None, None) is None and v(None, 0.1, 0.1) is None and v(0.001, 0.001, None) == "within noise"
+    assert v(0.0079, 0.0041, 0.0058, 2) == "within noise"           # 12.71 s.e. with 2 seeds
+    assert v(0.03, 0.004, 0.0058, 3) == "worse" and v(0.017, 0.004, 0.0058, 3) == "within noise"   # 4.30 s.e.
+    assert v(0.022, None, 0.0058, 1) == "worse" and v(-0.01, 0.001, 0.0058, 3) == "better"
+    assert v(0.01, None, None, 1) is None and v(None, 0.1, 0.1, 3) is None and v(0.5, None, 0.0, 1) is None
+    assert v(0.0011, 0.001, None, 20) == "within noise" and v(0.0021, 0.001, None, 20) == "worse"   # ~2 s.e.
     rows = lambda *gaps: {"base": dict(gap_per_seed=[]), **{f"r{i}": dict(gap_per_seed=[(0, g)])  # noqa: E731
                                                              for i, g in enumerate(gaps)}}
     assert experiments._noise_floor({"noise": rows(-0.0058, 0.003)}) == 0.0058
     assert experiments._noise_floor({"pqt": rows(0.1)}) is None and experiments._noise_floor({"noise": rows()}) is None
+
+
+def test_quality_keeps_finished_runs_checks_train_flags_first_and_reports_without_training(corpus, tmp_path,
+                                                                                          capsys):
+    """Run folders already in --out_dir stop a command without --resume or --overwrite (finished
+    runs can be hours of GPU time); a flag train.py refuses stops the command, with train.py's
+    message, before any folder's argv.json changes (so --resume still takes the folders); --max_runs
+    0 into a folder that does not exist reports without training; an experiment whose own seeds are
+    not in --seeds is left out with a note."""
+    text, data_dir = corpus
+    out = tmp_path / "q"
+    flags = f"--batch_size 4 --eval_windows 8 --eval_interval 2 --tokenizer byte --data_dir {data_dir}"
+    base = ["quality", "--suite", "gpt2", "--preset", "nano", "--dataset", text, "--experiments", "noise",
+            "--iters", "2", "--out_dir", str(out)]
+    experiments.main([*base, "--seeds", "0", "--train_args", flags])
+    argv_json = {d: (out / d / "argv.json").read_text() for d in ("bf16_adamw_s0", "bf16_adamw_rerun_s0")}
+    for extra, said in (([], "already holds 2 of these runs (bf16_adamw_s0, bf16_adamw_rerun_s0): add --resume"),
+                        (["--overwrite", "--train_args", flags + " --batchsize 8"],
+                         "the runs' train.py flags: unrecognized arguments: --batchsize 8")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            experiments.main([*base, "--seeds", "0", *extra] + (["--train_args", flags] if not extra else []))
+        assert e.value.code == 2 and said in capsys.readouterr().err, extra
+    assert {d: (out / d / "argv.json").read_text() for d in argv_json} == argv_json
+    capsys.readouterr()
+    experiments.main([*base, "--seeds", "0", "--resume", "--train_args", flags])
+    assert "done:" not in capsys.readouterr().out          # read back, not trained again
+    new = tmp_path / "new" / "q"
+    experiments.main([*base[:-1], str(new), "--seeds", "1", "--max_runs", "0", "--train_args", flags])
+    said = capsys.readouterr().out
+    assert "[noise] left out: its runs are for seed(s) 0, not in --seeds" in said
+    assert json.load(open(new / "quality.json"))["experiments"] == {}
 
 
 def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
@@ -6419,7 +6453,9 @@ def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
     experiments.py plots skips a file without a known section; bench.py --help lists both."""
     for bad, said in ((["--seeds", "1,1"], "distinct"), (["--train_args", "--seed 4"], "use experiments.py's --seeds"),
                       (["--suite", "gpt2", "--experiments", "pqt,bits"], "unknown bits in --suite gpt2"),
-                      (["--max_runs", "-1"], "--max_runs -1")):
+                      (["--max_runs", "-1"], "--max_runs -1"),
+                      (["--iters", "2", "--tokens_per_param", "1"], "give one run length"),
+                      (["--resume", "--overwrite"], "not both")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
             experiments.main(["quality", "--preset", "nano", *bad])
