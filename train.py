@@ -33,6 +33,7 @@ recomputed likewise, and the 4-bit optimizers' LM-head switch to SR moves to 90 
 """
 
 import contextlib
+import inspect
 import math
 import os
 import sys
@@ -317,8 +318,10 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
         model = torch.compile(model, mode=args.compile_mode)
     graphs = args.compile and "reduce-overhead" in args.compile_mode
     if proc.ddp and not args.fsdp:  # buffers (GaussWS seed state) advance identically on every rank: no broadcast
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+            else "broadcast_buffers"     # (torch >= 2.13 renamed it and warns on the old name)
         model = DDP(model, device_ids=[torch.device(proc.device).index] if proc.device_type == "cuda" else None,
-                    broadcast_buffers=False)
+                    **{no_sync: False})
     pt_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     ctx = (torch.autocast(device_type=proc.device_type, dtype=pt_dtype) if pt_dtype != torch.float32
            else contextlib.nullcontext())
