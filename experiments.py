@@ -533,7 +533,9 @@ def build_parser():
     ap = argparse.ArgumentParser(prog="experiments.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True, metavar="{quality,plots}")
-    add_quality_args(sub.add_parser("quality", help="train the QUALITY experiments and compare their losses"))
+    q = sub.add_parser("quality", help="train the QUALITY experiments and compare their losses")
+    add_quality_args(q)
+    q.set_defaults(parser=q)     # its errors show the quality usage line
     p = sub.add_parser("plots", help="a PNG beside each result JSON")
     p.add_argument("paths", nargs="*", help="result JSON files (default: results/*.json)")
     return ap
@@ -554,7 +556,7 @@ def main(argv=None):
                 ap.error(f"plots {path}: not a result JSON (a JSON object written by bench.py or experiments.py)")
         plot_results(args.paths or sorted(glob.glob(os.path.join("results", "*.json"))))
     else:
-        run_quality(args, ap, "experiments.py", "python experiments.py " + shlex.join(argv))
+        run_quality(args, args.parser, "experiments.py", "python experiments.py " + shlex.join(argv))
 
 
 if __name__ == "__main__":

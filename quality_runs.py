@@ -47,6 +47,11 @@ def train_inprocess(argv, d):
         if "diverged" not in str(e):
             raise
         print(f"[quality] {d}: {e}")
+    except SystemExit as e:
+        if e.code in (130, 143):   # Ctrl-C / SIGTERM: train.py's line continues this run alone
+            print("[quality] stopped at a checkpoint; continue the whole comparison with the same command and "
+                  "--resume", flush=True)
+        raise
 
 
 def _die_with_parent():

@@ -6161,6 +6161,19 @@ def test_quality_keeps_finished_runs_checks_train_flags_first_and_reports_withou
     assert json.load(open(new / "quality.json"))["experiments"] == {}
 
 
+def test_quality_in_process_run_stopped_by_a_signal_names_the_harness_resume(monkeypatch, capsys):
+    """--jobs 1: a run that train.py stops at a checkpoint on Ctrl-C / SIGTERM (exit 130 / 143)
+    ends the harness too, whose last line says to continue the whole comparison with --resume; a
+    flag error's exit passes through without it."""
+    import quality_runs
+    for code, said in ((143, True), (130, True), (2, False)):
+        monkeypatch.setattr(train, "main", lambda argv, code=code: sys.exit(code))
+        with pytest.raises(SystemExit) as e:
+            quality_runs.train_inprocess(["--seed", "0"], "q/bf16_adamw_s0")
+        assert e.value.code == code
+        assert ("continue the whole comparison with the same command and --resume" in capsys.readouterr().out) == said
+
+
 def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     exps = {"pqt": [("bf16", "adamw"), ("gaussws", "adamw")],
