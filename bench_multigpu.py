@@ -17,28 +17,11 @@ each element's place in the whole tensor, so all four agree up to the order of f
 reductions. train.py's tokens/s counts the global batch, so the efficiency is tokens/s(N) /
 (N tokens/s(1)); a resumed run's tokens/s is that of its own steps.
 """
-import json
 import os
-import subprocess
-import sys
 
-from bench_util import NO_MULTICAST
+from bench_util import run_train_py
 
 CASES = (("bf16", "adamw"), ("gaussws", "zipsr"), ("bf16", "zipsr"), ("gaussws", "adamw"))
-
-
-def _train(nproc, flags, out_dir, torchrun=True):
-    """Run train.py (under torchrun with nproc processes unless torchrun=False) with flags into
-    out_dir; returns its log records. RuntimeError with the output's end when it fails."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
-        if torchrun else [sys.executable]
-    r = subprocess.run([*launch, os.path.join(here, "train.py"), *flags, "--out_dir", out_dir],
-                       env=dict(os.environ, **NO_MULTICAST), capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"train.py in {out_dir} ({nproc} process(es)) failed:\n{(r.stdout + r.stderr)[-3000:]}")
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _numbers(recs):
@@ -65,12 +48,13 @@ def bench_multigpu(train_args, out_dir="out-multigpu", nproc=2, cases=CASES, sto
         name = f"{method}/{optim}"
         d = os.path.join(out_dir, f"{method}_{optim}")
         flags = [*train_args, "--method", method, "--optim", optim, "--grad_accum", str(nproc), "--no-plot"]
-        runs = dict(one=_train(1, flags + ["--overwrite"], os.path.join(d, "one"), torchrun=False),
-                    ddp=_train(nproc, flags + ["--overwrite"], os.path.join(d, "ddp")))
+        runs = dict(one=run_train_py(flags + ["--overwrite"], os.path.join(d, "one")),
+                    ddp=run_train_py(flags + ["--overwrite"], os.path.join(d, "ddp"), nproc))
         fsdp_dir = os.path.join(d, "fsdp")
-        _train(nproc, flags + ["--fsdp", "--stop_after", str(stop), "--overwrite"], fsdp_dir)
-        runs["fsdp_1"] = _train(1, flags + ["--fsdp", "--resume", fsdp_dir, "--overwrite"], os.path.join(d, "fsdp_1"))
-        runs["fsdp"] = _train(nproc, flags + ["--fsdp", "--resume"], fsdp_dir)
+        run_train_py(flags + ["--fsdp", "--stop_after", str(stop), "--overwrite"], fsdp_dir, nproc)
+        runs["fsdp_1"] = run_train_py(flags + ["--fsdp", "--resume", fsdp_dir, "--overwrite"],
+                                      os.path.join(d, "fsdp_1"), 1)
+        runs["fsdp"] = run_train_py(flags + ["--fsdp", "--resume"], fsdp_dir, nproc)
         row = {k: _numbers(v) for k, v in runs.items()}
         one = row["one"]["tokens_per_s"]
         row["efficiency"] = {k: row[k]["tokens_per_s"] / (nproc * one) if one and row[k]["tokens_per_s"] else None

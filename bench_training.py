@@ -3,7 +3,6 @@ training state, DDP and FSDP2 runs of train.py; each section a function that pri
 and returns it (bench.py writes the JSON).
 """
 import datetime
-import json
 import math
 import os
 import statistics
@@ -13,7 +12,7 @@ import torch
 
 import adam4bit as A
 import gaussws as g
-from bench_util import NO_MULTICAST
+from bench_util import run_train_py
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,21 +363,8 @@ def bench_ddp(train_args, out_dir="out-ddp", nproc=2):
     Micro-batches are seeded by (seed, step, global micro-batch index), so both runs read the
     same windows and their loss curves agree up to floating-point summation order.
     Returns per-step and per-eval losses of both runs, tokens/s and peak memory."""
-    import subprocess
-    import sys
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, **NO_MULTICAST)
-    logs = {}
-    for n in (1, nproc):
-        run_dir = os.path.join(out_dir, f"{n}proc")
-        launch = [sys.executable] if n == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                  "--standalone", "--nproc_per_node", str(n)]
-        r = subprocess.run([*launch, os.path.join(here, "train.py"), *train_args, "--out_dir", run_dir,
-                            "--overwrite"], env=env, capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"{n}-process run failed:\n{r.stderr[-3000:]}")
-        with open(os.path.join(run_dir, "log.jsonl")) as f:
-            logs[n] = [json.loads(line) for line in f]
+    logs = {n: run_train_py([*train_args, "--overwrite"], os.path.join(out_dir, f"{n}proc"), n if n > 1 else None)
+            for n in (1, nproc)}
     out = {}
     for n, recs in logs.items():
         summary = [x for x in recs if x["type"] == "summary"][-1]
@@ -406,25 +392,13 @@ def bench_fsdp(train_args, out_dir="out-fsdp", nproc=1, reps=3, warmup=FSDP_WARM
     folder read back with dcp_to_torch_save), beside the plain-vs-plain and fsdp-vs-fsdp
     differences of the same repetitions (the GPU step is not deterministic run to run). Returns
     every run's losses and step time, the per-repetition step-time ratios, their median and mean."""
-    import subprocess
-    import sys
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, **NO_MULTICAST)
     out = {"plain": [], "fsdp": []}
     for rep in range(reps):
         for kind in ("plain", "fsdp"):
-            run_dir = os.path.join(out_dir, f"{kind}{rep}")
-            launch = [sys.executable] if kind == "plain" else [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-            extra = ["--fsdp"] if kind == "fsdp" else []
             t0 = time.time()
-            r = subprocess.run([*launch, os.path.join(here, "train.py"), *train_args, *extra, "--out_dir", run_dir,
-                                "--overwrite"], env=env, capture_output=True, text=True)
-            if r.returncode:
-                raise RuntimeError(f"{kind} run failed:\n{r.stderr[-3000:]}")
-            with open(os.path.join(run_dir, "log.jsonl")) as f:
-                recs = [json.loads(line) for line in f]
+            recs = run_train_py([*train_args, *(["--fsdp"] if kind == "fsdp" else []), "--overwrite"],
+                                os.path.join(out_dir, f"{kind}{rep}"), nproc if kind == "fsdp" else None)
             steps = [x for x in recs if x["type"] == "step"]
             if len(steps) <= warmup:
                 raise ValueError(f"{len(steps)} steps: need more than warmup={warmup} (raise --iters)")

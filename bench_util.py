@@ -15,6 +15,24 @@ import triton
 NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 
 
+def run_train_py(flags, out_dir, nproc=None):
+    """Run train.py with `flags` into out_dir as a user would: `python train.py` (nproc None) or
+    `torchrun --nproc_per_node nproc train.py`, multicast off. Returns its log records
+    (train.read_log); RuntimeError with the end of its output when it fails."""
+    import subprocess
+    import sys
+    import train as trainer
+    here = os.path.dirname(os.path.abspath(__file__))
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+                                 if nproc else [])
+    r = subprocess.run([*launch, os.path.join(here, "train.py"), *flags, "--out_dir", out_dir],
+                       env=dict(os.environ, **NO_MULTICAST), capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"train.py in {out_dir} ({nproc or 1} process(es)) failed:\n"
+                           f"{(r.stdout + r.stderr)[-3000:]}")
+    return trainer.read_log(os.path.join(out_dir, "log.jsonl"))
+
+
 # ---------------------------------------------------------------------------------------------
 # timing, bandwidth and power
 
