@@ -232,12 +232,13 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     else:
         for argv, d in todo:
             quality_runs.train_inprocess(argv, d)
-    trained = {d: quality_runs.trained(d) for d in runs.values()}
+    logs = {d: quality_runs.log_records(d) for d in runs.values()}   # each log read once from here on
+    trained = {d: quality_runs.trained(d, logs[d]) for d in runs.values()}
     for d, label in casts.items():   # experiment 5 while the checkpoints are here
         if trained[d] and os.path.exists(os.path.join(d, "ckpt.pt")) and \
                 not (resume and os.path.exists(os.path.join(d, "cast.json"))):
             save_cast(d, label)
-    read = {d: quality_runs.read_run(d) if trained[d] else None for d in runs.values()}
+    read = {d: quality_runs.read_run(d, logs[d]) if trained[d] else None for d in runs.values()}
     res = {}
     for exp, definition in experiments.items():
         rs, exp_seeds = _experiment(definition, seeds)

@@ -136,11 +136,16 @@ def train_subprocesses(todo, jobs):
     return failed
 
 
-def trained(d):
-    """True if run folder d holds a finished run (a summary at its last step) or a diverged one
-    (an "error" record): its numbers are in its log.jsonl."""
+def log_records(d):
+    """The records of run folder d's log.jsonl ([] before the run wrote one)."""
     import train as trainer
-    recs = trainer.read_log(os.path.join(d, "log.jsonl"))
+    return trainer.read_log(os.path.join(d, "log.jsonl"))
+
+
+def trained(d, recs=None):
+    """True if run folder d holds a finished run (a summary at its last step) or a diverged one
+    (an "error" record): its numbers are in its log.jsonl. recs: that log's records, if read."""
+    recs = log_records(d) if recs is None else recs
     return any(r.get("type") == "error" or (r.get("type") == "summary" and isinstance(r.get("iters"), int)
                                             and r["iters"] >= r.get("max_iters", math.inf)) for r in recs)
 
@@ -193,11 +198,9 @@ def _flags(argv):
     return {k: v for k, v in flags.items() if k not in ("--out_dir", "--resume", "--overwrite")}
 
 
-def read_run(d):
-    """Numbers of a finished (or diverged) run from its log.jsonl, and its experiment-5 result
-    (cast.json, written by save_cast) when it has one."""
-    import train as trainer
-    recs = trainer.read_log(os.path.join(d, "log.jsonl"))
+def read_run(d, recs):
+    """Numbers of a finished (or diverged) run from its log.jsonl's records `recs` (log_records),
+    and its experiment-5 result (cast.json, written by save_cast) when it has one."""
     s = next((r for r in reversed(recs) if r.get("type") == "summary"), None) or {}
     err = next((r for r in reversed(recs) if r.get("type") == "error"), None)
     pts = [(r["iter"], r["loss"]) for r in recs if r.get("type") == "step"]
