@@ -5781,6 +5781,23 @@ def test_torchrun_with_more_ranks_than_gpus_is_a_one_line_error(monkeypatch):
         train.setup_distributed(argparse.Namespace(device="auto"))
 
 
+def _fsdp_mesh_on_a_gpu_host(rank, world, tmp):
+    """shard_model on CPU ranks of a host whose accelerator is CUDA (torch._C._get_accelerator
+    stubbed: fully_shard's default mesh follows it): the mesh types of the sharded parameters."""
+    torch._C._get_accelerator = lambda: torch.device("cuda")
+    model = GPT(preset_config("tiny", vocab_size=256))
+    train.shard_model(model, world, "cpu")
+    x = torch.randint(0, 256, (2, 16))
+    model(x, x)[1].backward()
+    return sorted({p.device_mesh.device_type for p in model.parameters()})
+
+
+def test_fsdp_on_cpu_shards_on_a_cpu_mesh_on_a_gpu_host(tmp_path):
+    """torchrun ... train.py --fsdp --device cpu on a GPU host: the ranks shard on a CPU mesh over
+    their gloo group, not on fully_shard's default CUDA mesh (rank 1 of 2: cuda:1)."""
+    assert _launch("_fsdp_mesh_on_a_gpu_host", tmp_path, 2) == [["cpu"], ["cpu"]]
+
+
 def _as_fsdp_rank(monkeypatch, world=1):
     """train.main in this process as rank 0 of `world` under torchrun, without a process group."""
     monkeypatch.setenv("RANK", "0")

@@ -538,7 +538,7 @@ def main(argv=None):
             return summary
         say_setup(args, proc, batches, model, replaced)
         if args.fsdp:
-            shard_model(model, proc.world)
+            shard_model(model, proc.world, proc.device_type)
         optimizer = build_optimizer(args, model, proc.device_type)
         start_iter, best_val = 0, math.inf
         if ckpt is not None:

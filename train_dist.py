@@ -55,9 +55,9 @@ def setup_distributed(args):
     return Process(ddp=True, rank=rank, world=world, device=dev)
 
 
-def shard_model(model, world):
+def shard_model(model, world, device_type):
     """FSDP2: fully_shard each transformer block, then the root (embeddings, final norm, LM head),
-    in place; with one rank only the root (one unit: per-block all-gathers would save no memory
+    in place, on a mesh of `world` ranks of device_type ("cuda" or "cpu"); with one rank only the root (one unit: per-block all-gathers would save no memory
     and cost a collective round per block and pass). Parameters become DTensors sharded on dim 0
     and are all-gathered around each unit's forward and backward, so GaussWS layers see the whole
     weight and b_i (their noise counters are buffers, replicated and advancing alike on every
@@ -67,11 +67,15 @@ def shard_model(model, world):
     whole forward, the plain path's; with more ranks the hooks around each block break the graph
     inside GPT.forward's loop, Dynamo runs that frame eagerly and compiles Block.forward (one
     graph for all blocks; embeddings, final norm, LM head and loss stay eager)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    # the run's own mesh: fully_shard's default is the host's accelerator, so a gloo run on CPU
+    # (--device cpu) on a GPU host would put its ranks on cuda:0, cuda:1, ...
+    mesh = init_device_mesh(device_type, (world,))
     if world > 1:
         for block in model.blocks:
-            fully_shard(block)
-    fully_shard(model)
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def fsdp_micro_step(model, last, world):
