@@ -10,7 +10,8 @@ measured by bench.py.
         --jobs 20 --train_args "--tokenizer byte --batch_size 128"   # 20 concurrent train.py runs
     python experiments.py quality --suite gpt2 --preset gpt2-124m --dataset D --iters 2880 --seeds 0,1,2 \
         --jobs 3 --resume --max_runs 11 --out_dir out-q124 --train_args "--tokenizer gpt2 --eval_interval 240"
-        # results/quality.md section 16; --resume continues from what out-q124 holds
+        # results/quality.md section 16; --resume continues from what out-q124 holds; --max_runs 0:
+        # only the tables, JSON and figures, e.g. from results/quality_gpt2/runs.tar.xz extracted there
     python experiments.py plots                        # a PNG beside every results/*.json
     python experiments.py plots results/X_optim.json   # the named files only
 
@@ -170,7 +171,10 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     (its checkpoint may be gone), an interrupted one continues from its checkpoint (train.py
     refuses a changed configuration), so a comparison can be spread over many invocations and
     machines. max_runs: train at most this many runs now; the others stay pending (None in
-    their rows' seeds). Without resume, run folders already in out_dir are a RunError unless
+    their rows' seeds); 0 is a report of what out_dir holds: the dataset is neither prepared nor
+    compared with the runs' (their corpus may lie elsewhere here; it is named), and an out_dir
+    holding none of the runs is a RunError. The result's gpu / torch / triton are where the runs
+    trained (their log summaries), with trained_on counting runs per machine. Without resume, run folders already in out_dir are a RunError unless
     overwrite=True (they are then trained again). The train.py flags are checked (and the
     dataset prepared) before any run folder is written: a bad flag is a RunError naming it.
     An experiment whose own seeds are not among `seeds` is left out with a note.
@@ -193,7 +197,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
         return [*train_args, "--method", method, "--optim", optim, *extra, "--seed", str(seed),
                 "--out_dir", runs[(method, optim, extra, tag, seed)], "--no-plot"]
 
-    if runs:   # a flag train.py refuses stops here, before any run folder is read or written
+    report = max_runs == 0   # train nothing: read the run folders as they are
+    if runs and not report:   # a flag train.py refuses stops here, before any run folder is read or written
         quality_runs.prepare_data(run_argv(*next(iter(runs))), prepare=False)
     held = [d for d in runs.values()
             if any(os.path.exists(os.path.join(d, f)) for f in ("log.jsonl", "ckpt.pt", "ckpt"))]
@@ -203,15 +208,20 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             f"{out_dir} already holds {len(held)} of these runs ({', '.join(map(os.path.basename, held[:3]))}"
             f"{', ...' if len(held) > 3 else ''}): add --resume to keep and continue them, or --overwrite to "
             "train them again")
+    if report and runs and not held:   # (a mistyped --out_dir must not overwrite a report with an empty one)
+        from train import RunError
+        raise RunError(f"--max_runs 0 reports the runs --out_dir holds, and {out_dir} holds none of these "
+                       f"(e.g. {os.path.basename(next(iter(runs.values())))}): extract the runs' archive there, "
+                       "or leave out --max_runs 0 to train them")
     if resume and runs and not held:
         print(f"[quality] --resume: {out_dir} holds none of these runs yet; they start from the beginning")
     os.makedirs(out_dir, exist_ok=True)
-    todo = []
+    todo, corpora = [], set()
     for key, d in runs.items():
         argv = run_argv(*key)
         done = resume and quality_runs.trained(d)
         if done or (resume and os.path.exists(os.path.join(d, "ckpt.pt"))):
-            quality_runs.same_run(d, argv)
+            corpora.add(quality_runs.same_run(d, argv, any_dataset=report))
         if done or (max_runs is not None and len(todo) >= max_runs):
             continue
         if os.path.exists(os.path.join(d, "ckpt.pt")):        # continue it, or train it again
@@ -219,6 +229,10 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
         elif os.path.exists(os.path.join(d, "log.jsonl")):    # stopped before its first checkpoint
             argv.append("--overwrite")
         todo.append((argv, d))
+    given = quality_runs.flag_value(train_args, "--dataset")
+    if corpora - {None, given}:
+        print(f"[quality] the saved runs were trained on --dataset {', '.join(sorted(corpora - {None}))} "
+              f"(--dataset {given} is not read: --max_runs 0)")
     if todo:
         quality_runs.prepare_data(todo[0][0])
     for argv, d in todo:
@@ -290,7 +304,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
         plot_quality(exp, rows, os.path.join(out_dir, f"{exp}.png"), train_loss=exp == "zeropoint",
                      noise_floor=floor)
     out = dict(command=command or f"python experiments.py quality  # train.py {' '.join(train_args)}",
-               seeds=list(seeds), noise_floor=floor, experiments=res)
+               seeds=list(seeds), noise_floor=floor, experiments=res, **_trained_on(read.values()))
     if casts:
         found = [(label, read[d]["cast"]) for d, label in casts.items() if read[d] and read[d]["cast"]]
         out["cast"] = {label: c["row"] for label, c in found}
@@ -308,6 +322,22 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     if pending:
         print(f"[quality] {len(pending)} run(s) not finished; continue with the same command and --resume")
     return out
+
+
+def _trained_on(reads):
+    """The result's gpu / torch / triton: the machine the runs trained on, from their summaries
+    (not the machine that reads them back), and trained_on: each machine and its run count."""
+    machines = [r["machine"] for r in reads if r]
+    if not machines:
+        return {}
+    count = {}
+    for m in machines:
+        key = "not recorded" if not m else f"{m['device']}, torch {m['torch']}, triton {m['triton']}"
+        count[key] = count.get(key, 0) + 1
+    one = machines[0] if len(count) == 1 and machines[0] else None
+    said = "not recorded in the runs' logs" if list(count) == ["not recorded"] else "several: see trained_on"
+    return dict(gpu=one["device"].replace(" ", "-") if one else said, torch=one["torch"] if one else said,
+                triton=one["triton"] if one else said, trained_on=count)
 
 
 def quality_tables(out):
@@ -462,7 +492,8 @@ def add_quality_args(ap, skip=()):
                                  "such folders stop the command)"),
         "--max_runs": dict(type=int, default=None,
                            help="train at most this many runs now (seed 0 of every run first); "
-                                "the rest later with --resume"),
+                                "the rest later with --resume; 0 trains nothing and reports what --out_dir "
+                                "holds (--dataset is then not read)"),
     }
     for flag, kw in flags.items():
         if flag not in skip:

@@ -167,22 +167,31 @@ def _read_cast(d):
     return None
 
 
-def same_run(d, argv):
+def same_run(d, argv, any_dataset=False):
     """RunError unless run folder d was trained with train.py flags `argv` (its argv.json, written
     when the harness starts it; --out_dir, --resume and --overwrite aside): --resume must not mix a
-    finished run of other flags into a comparison."""
+    finished run of other flags into a comparison. any_dataset=True (a report that reads the
+    folders and trains nothing) leaves --dataset out: the same corpus may lie elsewhere here.
+    Returns the run's --dataset (None without argv.json)."""
     import train as trainer
     path = os.path.join(d, "argv.json")
     if not os.path.exists(path):
-        return
+        return None
     with open(path) as f:
         old, new = _flags(json.load(f)), _flags(argv)
-    diff = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    diff = [k for k in dict.fromkeys([*old, *new])
+            if old.get(k) != new.get(k) and not (any_dataset and k == "--dataset")]
     if diff:
         def said(flags):
             return " ".join(f"{k} {flags[k]}".strip() for k in diff if k in flags) or "not given"
         raise trainer.RunError(f"--resume: {d} was trained with other train.py flags ({said(old)} then, "
                                f"{said(new)} now); use its flags, or another --out_dir for these")
+    return old.get("--dataset")
+
+
+def flag_value(argv, flag):
+    """The value of `flag` in a train.py argv (the last one given), or None."""
+    return _flags(argv).get(flag)
 
 
 def _flags(argv):
@@ -214,6 +223,6 @@ def read_run(d, recs):
                 val_curve=[(r["iter"], r["val_loss"]) for r in recs if r.get("type") == "eval"],
                 train_curve=smooth, params=s.get("params"),
                 final_val_loss=s.get("final_val_loss"), optimizer_state_mb=s.get("optimizer_state_mb"),
-                peak_mem_mb=s.get("peak_mem_mb"), tokens_per_s=s.get("tokens_per_s"),
+                peak_mem_mb=s.get("peak_mem_mb"), tokens_per_s=s.get("tokens_per_s"), machine=s.get("machine"),
                 # mean training loss over the last 10 % of steps (None for a diverged run)
                 final_train_loss=sum(tail) / len(tail) if steps and not err else None, cast=cast)

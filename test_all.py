@@ -6151,8 +6151,9 @@ def test_quality_keeps_finished_runs_checks_train_flags_first_and_reports_withou
     """Run folders already in --out_dir stop a command without --resume or --overwrite (finished
     runs can be hours of GPU time); a flag train.py refuses stops the command, with train.py's
     message, before any folder's argv.json changes (so --resume still takes the folders); --max_runs
-    0 into a folder that does not exist reports without training; an experiment whose own seeds are
-    not in --seeds is left out with a note."""
+    0 into a folder that does not exist reports without training, and refuses a folder holding none
+    of the runs; a report (--max_runs 0) reads runs trained on a corpus at another path and says
+    where they trained; an experiment whose own seeds are not in --seeds is left out with a note."""
     text, data_dir = corpus
     out = tmp_path / "q"
     flags = f"--batch_size 4 --eval_windows 8 --eval_interval 2 --tokenizer byte --data_dir {data_dir}"
@@ -6171,6 +6172,22 @@ def test_quality_keeps_finished_runs_checks_train_flags_first_and_reports_withou
     capsys.readouterr()
     experiments.main([*base, "--seeds", "0", "--resume", "--train_args", flags])
     assert "done:" not in capsys.readouterr().out          # read back, not trained again
+    # a report elsewhere (--max_runs 0): the corpus path is not compared, nor read, and is named
+    report = [*base[:6], "/elsewhere/corpus", *base[7:-1], str(tmp_path / "moved"), "--seeds", "0", "--resume",
+              "--max_runs", "0", "--train_args", flags]
+    shutil.copytree(out, tmp_path / "moved")
+    experiments.main(report)
+    assert f"the saved runs were trained on --dataset {text} (--dataset /elsewhere/corpus is not read" in \
+        capsys.readouterr().out
+    made = json.load(open(tmp_path / "moved" / "quality.json"))   # where the runs trained, from their logs
+    assert made["trained_on"] == {f"cpu, torch {torch.__version__}, triton {triton.__version__}": 2}
+    assert (made["gpu"], made["torch"]) == ("cpu", torch.__version__)
+    os.makedirs(tmp_path / "empty")                         # a report of a folder holding none: refused, unwritten
+    with pytest.raises(SystemExit) as e:
+        experiments.main([*report[:-8], str(tmp_path / "empty"), *report[-7:]])
+    assert e.value.code == 2 and f"--max_runs 0 reports the runs --out_dir holds, and {tmp_path / 'empty'} holds " \
+        "none of these (e.g. bf16_adamw_s0): extract the runs' archive there" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "empty") == []
     new = tmp_path / "new" / "q"
     experiments.main([*base[:-1], str(new), "--seeds", "1", "--max_runs", "0", "--train_args", flags])
     said = capsys.readouterr().out

@@ -25,6 +25,14 @@ from train_flags import tokens_per_step
 from train_util import RunError, say
 
 
+
+def machine(device):
+    """Where a run trained, for its summary: {"device", "torch", "triton"} (a comparison read back
+    on another machine still says where its numbers come from)."""
+    import triton
+    name = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else "cpu"
+    return {"device": name, "torch": torch.__version__, "triton": triton.__version__}
+
 class Interrupts:
     """SIGINT / SIGTERM during training. The first one asks for a checkpoint at the next step
     boundary: the handler only records the signal, and the loop asks requested() at each step
@@ -303,7 +311,8 @@ class RunLog:
                    "peak_mem_mb": peak_memory_mb(self.proc.device_type),
                    "optimizer_state_mb": optimizer_state_bytes(optimizer) / 2**20,
                    "params": model.num_params(), "preset": args.preset, "method": args.method, "optim": args.optim,
-                   "world": self.proc.world, "checkpoint": self.ckpt_path if self.last_ckpt is not None else None}
+                   "world": self.proc.world, "checkpoint": self.ckpt_path if self.last_ckpt is not None else None,
+                   "machine": machine(self.proc.device)}
         if b_t_mean is not None:
             summary["b_t_mean"] = b_t_mean
         self.write(summary)
