@@ -344,7 +344,7 @@ def quality_tables(out):
     """Markdown tables of a bench_quality result, one per experiment: each run's seeds, mean final
     val loss, gap to the experiment's first run paired by seed (+- standard error), weights +
     optimizer state per parameter, for "optim" the share of TorchAO's gap closed, and the verdict
-    against the noise (_verdict) where one is known."""
+    against the noise (_verdict) where one is known; then experiment 5's casts per run."""
     floor = out.get("noise_floor")
     lines = [] if floor is None else [f"same-seed rerun spread: {floor:.4f}"
                                       + (" (the reruns repeat bit for bit: no bound from it)" if not floor else ""),
@@ -365,6 +365,21 @@ def quality_tables(out):
             lines.append(f"| {label} | {','.join(map(str, r['seeds'])) or '—'} | {mean} | {gap} | {bpp} |"
                          + (f" {'—' if share is None else f'{share:.0%}'} |" if optim else "")
                          + f" {r.get('verdict') or '—'} |")
+        if optim and all(r.get("share_of_torchao_gap_closed") is None for r in rows.values()):
+            lines.append("(TorchAO gap closed: — while the TorchAO preset is not behind 32-bit AdamW)")
+        lines.append("")
+    if out.get("cast"):   # experiment 5, one row per run and seed
+        sweep = list(next(iter(out["cast"].values()))["sweep_delta"])
+        lines += ["**experiment 5** (val loss change after each cast)", "",
+                  "| run | mean b_t | Table C tiers | Δ tier cast | " + " | ".join(f"Δ {f}" for f in sweep) + " |",
+                  "|---|---:|---|---:|" + "---:|" * len(sweep)]
+        for label, c in out["cast"].items():
+            bits = out.get("bitwidth", {}).get(label, {}).get("layers", {})
+            n = sum(v["params"] for v in bits.values())
+            b_t = f"{sum(v['mean'] * v['params'] for v in bits.values()) / n:.2f}" if n else "—"
+            tiers = ", ".join(f"{t} {v:.0%}" for t, v in c["tier_share"].items() if v)
+            lines.append(f"| {label} | {b_t} | {tiers} | {c['delta']:+.4f} | "
+                         + " | ".join(f"{c['sweep_delta'][f]:+.4f}" for f in sweep) + " |")
         lines.append("")
     return "\n".join(lines)
 

@@ -6127,7 +6127,11 @@ def test_quality_runs_seed_by_seed_and_resume_from_logs_without_checkpoints(corp
     assert out["noise_floor"] == 0.0 and noise["rerun"]["verdict"] is None and b["verdict"] is None
     table = experiments.quality_tables(out)
     assert f"| gaussws/adamw | 0,1 | {gw['mean']:.4f} | {gw['gap_to_first']:+.4f} ± {gw['gap_se']:.4f} |" in table
-    assert "| rerun | 0 |" in table and table.count("**") == 4 and table.startswith("same-seed rerun spread: 0.0000")
+    assert "| rerun | 0 |" in table and table.count("**") == 6 and table.startswith("same-seed rerun spread: 0.0000")
+    c, layers = out["cast"]["gaussws/adamw s0"], out["bitwidth"]["gaussws/adamw s0"]["layers"].values()
+    b_t = sum(v["mean"] * v["params"] for v in layers) / sum(v["params"] for v in layers)
+    assert (f"| gaussws/adamw s0 | {b_t:.2f} | " in table and f" | {c['delta']:+.4f} | "
+            + " | ".join(f"{x:+.4f}" for x in c["sweep_delta"].values()) + " |" in table)   # experiment 5
 
 
 def test_quality_verdict_weighs_a_gap_against_the_t_interval_and_the_rerun_spread():
