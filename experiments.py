@@ -174,9 +174,10 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     their rows' seeds); 0 is a report of what out_dir holds: the dataset is neither prepared nor
     compared with the runs' (their corpus may lie elsewhere here; it is named), and an out_dir
     holding none of the runs is a RunError. The result's gpu / torch / triton are where the runs
-    trained (their log summaries), with trained_on counting runs per machine. Without resume, run folders already in out_dir are a RunError unless
-    overwrite=True (they are then trained again). The train.py flags are checked (and the
-    dataset prepared) before any run folder is written: a bad flag is a RunError naming it.
+    trained (their log summaries), with trained_on counting runs per machine. Without resume, run
+    folders already in out_dir are a RunError unless overwrite=True (they are then trained again).
+    The train.py flags are checked (and the dataset prepared) before any run folder is written: a
+    bad flag is a RunError naming it.
     An experiment whose own seeds are not among `seeds` is left out with a note.
     Writes loss-curve PNGs when matplotlib is installed.
     Returns {"command", "seeds", "experiments": {experiment: {label: {...}}}, "cast", "bitwidth",

@@ -57,9 +57,9 @@ def setup_distributed(args):
 
 def shard_model(model, world, device_type):
     """FSDP2: fully_shard each transformer block, then the root (embeddings, final norm, LM head),
-    in place, on a mesh of `world` ranks of device_type ("cuda" or "cpu"); with one rank only the root (one unit: per-block all-gathers would save no memory
-    and cost a collective round per block and pass). Parameters become DTensors sharded on dim 0
-    and are all-gathered around each unit's forward and backward, so GaussWS layers see the whole
+    in place, on a mesh of `world` ranks of device_type ("cuda" or "cpu"); with one rank only the
+    root (one unit: per-block all-gathers would save no memory and cost a collective round per
+    block and pass). Parameters become DTensors sharded on dim 0 and are all-gathered around each unit's forward and backward, so GaussWS layers see the whole
     weight and b_i (their noise counters are buffers, replicated and advancing alike on every
     rank: R is the unsharded layer's). The master weights stay FP32 and autocast runs inside, as
     without FSDP2. train() then compiles the wrapped model as it does the plain one: Dynamo skips
