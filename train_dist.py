@@ -56,17 +56,18 @@ def setup_distributed(args):
 
 
 def shard_model(model, world, device_type):
-    """FSDP2: fully_shard each transformer block, then the root (embeddings, final norm, LM head),
-    in place, on a mesh of `world` ranks of device_type ("cuda" or "cpu"); with one rank only the
+    """FSDP2: fully_shard each transformer block, then the root (embeddings, final norm, LM head), in
+    place, on a mesh of `world` ranks of device_type ("cuda" or "cpu"); with one rank only the
     root (one unit: per-block all-gathers would save no memory and cost a collective round per
-    block and pass). Parameters become DTensors sharded on dim 0 and are all-gathered around each unit's forward and backward, so GaussWS layers see the whole
-    weight and b_i (their noise counters are buffers, replicated and advancing alike on every
-    rank: R is the unsharded layer's). The master weights stay FP32 and autocast runs inside, as
-    without FSDP2. train() then compiles the wrapped model as it does the plain one: Dynamo skips
-    FSDP2's hooks (they run eagerly), so with one rank the root's hooks run around one graph of the
-    whole forward, the plain path's; with more ranks the hooks around each block break the graph
-    inside GPT.forward's loop, Dynamo runs that frame eagerly and compiles Block.forward (one
-    graph for all blocks; embeddings, final norm, LM head and loss stay eager)."""
+    block and pass). Parameters become DTensors sharded on dim 0 and are all-gathered around
+    each unit's forward and backward, so GaussWS layers see the whole weight and b_i (their
+    noise counters are buffers, replicated and advancing alike on every rank: R is the unsharded
+    layer's). The master weights stay FP32 and autocast runs inside, as without FSDP2. train()
+    then compiles the wrapped model as it does the plain one: Dynamo skips FSDP2's hooks (they
+    run eagerly), so with one rank the root's hooks run around one graph of the whole forward,
+    the plain path's; with more ranks the hooks around each block break the graph inside
+    GPT.forward's loop, Dynamo runs that frame eagerly and compiles Block.forward (one graph for
+    all blocks; embeddings, final norm, LM head and loss stay eager)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     # the run's own mesh: fully_shard's default is the host's accelerator, so a gloo run on CPU
