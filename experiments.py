@@ -321,7 +321,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     for d, msg in failed.items():
         print(f"[quality] run {d} FAILED: {msg[-500:]}")
     if pending:
-        print(f"[quality] {len(pending)} run(s) not finished; continue with the same command and --resume")
+        print(f"[quality] {len(pending)} run(s) not finished; continue with the same command and --resume"
+              + (", without --max_runs 0" if max_runs == 0 else ""))
     return out
 
 
