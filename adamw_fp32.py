@@ -139,10 +139,8 @@ def _adamw_kernel(program_tensor, launch_table,
             u = tl.load(tl.load(row + TAB_U_P).to(tl.pointer_type(tl.float32)) + i, mask=mask, other=0.0)
         else:        # stream 2, as the 4-bit kernel's BF16 write, at i's place in the whole tensor
             seed = _tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))
-            if SHARDED:   # an FSDP2 shard's first element's place; unsharded launches add nothing
-                u = _uniform(seed, i + tl.load(row + TAB_OFFSET), 2)
-            else:
-                u = _uniform(seed, i, 2)
+            # an FSDP2 shard's first element's place; 0 at compile time in unsharded launches
+            u = _uniform(seed, i + (tl.load(row + TAB_OFFSET) if SHARDED else 0), 2)
     h = _param_bits16(w, u, corr + i, mask, P_KIND, P_SR, P_CORR)     # write_param
     tl.store(param.to(tl.pointer_type(tl.int16), bitcast=True) + i, h.to(tl.int16), mask=mask)
 

@@ -201,26 +201,26 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     report = max_runs == 0   # train nothing: read the run folders as they are
     if runs and not report:   # a flag train.py refuses stops here, before any run folder is read or written
         quality_runs.prepare_data(run_argv(*next(iter(runs))), prepare=False)
+    from train import RunError
     held = [d for d in runs.values()
             if any(os.path.exists(os.path.join(d, f)) for f in ("log.jsonl", "ckpt.pt", "ckpt"))]
     if held and not (resume or overwrite):
-        from train import RunError
         raise RunError(
             f"{out_dir} already holds {len(held)} of these runs ({', '.join(map(os.path.basename, held[:3]))}"
             f"{', ...' if len(held) > 3 else ''}): add --resume to keep and continue them, or --overwrite to "
             "train them again")
     if report and runs and not held:   # (a mistyped --out_dir must not overwrite a report with an empty one)
-        from train import RunError
         raise RunError(f"--max_runs 0 reports the runs --out_dir holds, and {out_dir} holds none of these "
                        f"(e.g. {os.path.basename(next(iter(runs.values())))}): extract the runs' archive there, "
                        "or leave out --max_runs 0 to train them")
     if resume and runs and not held:
         print(f"[quality] --resume: {out_dir} holds none of these runs yet; they start from the beginning")
     os.makedirs(out_dir, exist_ok=True)
+    logs = {d: quality_runs.log_records(d) for d in runs.values()}   # each log read once, and again if trained
     todo, corpora = [], set()
     for key, d in runs.items():
         argv = run_argv(*key)
-        done = resume and quality_runs.trained(d)
+        done = resume and quality_runs.trained(d, logs[d])
         if done or (resume and os.path.exists(os.path.join(d, "ckpt.pt"))):
             corpora.add(quality_runs.same_run(d, argv, any_dataset=report))
         if done or (max_runs is not None and len(todo) >= max_runs):
@@ -247,7 +247,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     else:
         for argv, d in todo:
             quality_runs.train_inprocess(argv, d)
-    logs = {d: quality_runs.log_records(d) for d in runs.values()}   # each log read once from here on
+    logs.update({d: quality_runs.log_records(d) for _, d in todo})
     trained = {d: quality_runs.trained(d, logs[d]) for d in runs.values()}
     for d, label in casts.items():   # experiment 5 while the checkpoints are here
         if trained[d] and os.path.exists(os.path.join(d, "ckpt.pt")) and \

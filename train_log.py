@@ -25,13 +25,13 @@ from train_flags import tokens_per_step
 from train_util import RunError, say
 
 
-
 def machine(device):
     """Where a run trained, for its summary: {"device", "torch", "triton"} (a comparison read back
     on another machine still says where its numbers come from)."""
     import triton
     name = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else "cpu"
     return {"device": name, "torch": torch.__version__, "triton": triton.__version__}
+
 
 class Interrupts:
     """SIGINT / SIGTERM during training. The first one asks for a checkpoint at the next step
