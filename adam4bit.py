@@ -75,34 +75,34 @@ import torch
 import triton
 import triton.language as tl
 
-import fused_step
-import optim_args
-import optim_state
-from adamw_fp32 import _adamw_kernel, _adamw_prepare
-from adamw_fp32 import _adamw_launch as _adamw_launch_with
+from lowbit.optim import plan as fused_step
+from lowbit.optim import args as optim_args
+from lowbit.optim import state as optim_state
+from lowbit.optim.fp32 import _adamw_kernel, _adamw_prepare
+from lowbit.optim.fp32 import _adamw_launch as _adamw_launch_with
 from codebooks import get_codebook, midpoints
-from kernel_tables import _join_bits, _kernel_tables, _unpair
-from launch_tables import (_DTYPE_KIND, KERNEL_DTYPES, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SCALE,
+from lowbit.optim.lut import _join_bits, _kernel_tables, _unpair
+from lowbit.optim.launch import (_DTYPE_KIND, KERNEL_DTYPES, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SCALE,
                            TAB_EXP_AVG_SQ, TAB_EXP_AVG_SQ_SCALE, TAB_FIRST_PROGRAM, TAB_GRAD, TAB_N_BLOCKS,
                            TAB_OFFSET, TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH,
                            _cached_tables, _device_scalars, _launch_scalars)
-from numerics import _denominator, _f32, sqrt_rn
-from optim_args import _check_block_size, _check_quant_args, _group_hparams
-from optim_state import _is_dtensor
-from param_write import _join_master, _param_bits16, _write_step, read_param
-from sr_bits import _seed_of_step, _sr_seed, _tile_uniforms, _tl_sr_seed, shard_offset, shard_span, span_uniforms
+from lowbit.numerics import _denominator, _f32, sqrt_rn
+from lowbit.optim.args import _check_block_size, _check_quant_args, _group_hparams
+from lowbit.optim.state import _is_dtensor
+from lowbit.optim.param_write import _join_master, _param_bits16, _write_step, read_param
+from lowbit.optim.sr_bits import _seed_of_step, _sr_seed, _tile_uniforms, _tl_sr_seed, shard_offset, shard_span, span_uniforms
 
 # names that tests, bench.py, experiments.py and train.py import from here
-from adamw_fp32 import ADAMW_BLOCK, adamw_step_torch, adamw_step_triton  # noqa: F401,E402
-from kernel_tables import LUT_BUCKETS, _bucket_lut, _pair_bits  # noqa: F401,E402
-from launch_tables import _BIAS_ROWS_MAX, _bias_table, _triton_regrad  # noqa: F401,E402
-from optim_args import COORDS, IMPLS, ROUNDINGS, V_ROUNDINGS  # noqa: F401,E402
-from optim_state import _PACKED  # noqa: F401,E402
-from param_write import (MASTER_WEIGHT_BITS, PARAM_ROUNDINGS, _correction_unit, join_master,  # noqa: F401,E402
+from lowbit.optim.fp32 import ADAMW_BLOCK, adamw_step_torch, adamw_step_triton  # noqa: F401,E402
+from lowbit.optim.lut import LUT_BUCKETS, _bucket_lut, _pair_bits  # noqa: F401,E402
+from lowbit.optim.launch import _BIAS_ROWS_MAX, _bias_table, _triton_regrad  # noqa: F401,E402
+from lowbit.optim.args import COORDS, IMPLS, ROUNDINGS, V_ROUNDINGS  # noqa: F401,E402
+from lowbit.optim.state import _PACKED  # noqa: F401,E402
+from lowbit.optim.param_write import (MASTER_WEIGHT_BITS, PARAM_ROUNDINGS, _correction_unit, join_master,  # noqa: F401,E402
                          round_to_bf16, split_master, write_param)
-from quant_metrics import (nonzero_to_zero_fraction, radial_bias, relative_rms_error,  # noqa: F401,E402
+from lowbit.optim.metrics import (nonzero_to_zero_fraction, radial_bias, relative_rms_error,  # noqa: F401,E402
                            update_relative_error)
-from sr_bits import _SEED_MOD, _seed_of_index, _uniforms  # noqa: F401,E402
+from lowbit.optim.sr_bits import _SEED_MOD, _seed_of_index, _uniforms  # noqa: F401,E402
 
 _midpoints = midpoints     # the name the tests and older scripts use
 

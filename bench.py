@@ -37,12 +37,12 @@ import sys
 
 import torch
 
-import experiments
+from experiments import quality as experiments
 import gaussws as g
-from bench_kernels import bench_host, bench_noise, bench_optim
-from bench_multigpu import CASES as MULTIGPU_CASES, bench_multigpu
-from bench_training import FSDP_WARMUP, TABLE1, bench_ddp, bench_fsdp, bench_memory, bench_train, bench_train_gpt2
-from bench_util import save
+from benchmarks.kernels import bench_host, bench_noise, bench_optim
+from benchmarks.multigpu import CASES as MULTIGPU_CASES, bench_multigpu
+from benchmarks.training import FSDP_WARMUP, TABLE1, bench_ddp, bench_fsdp, bench_memory, bench_train, bench_train_gpt2
+from benchmarks.util import save
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def main(argv=None):
             save(section, dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"],
                                command="python bench.py " + shlex.join(argv)))
     if args.only == "capacity":
-        from bench_capacity import bench_capacity
+        from benchmarks.capacity import bench_capacity
         cmd = "python bench.py " + shlex.join(argv)
         save("capacity", dict(bench_capacity(on_row=lambda rows: save("capacity", dict(rows=rows, partial=True,
                                                                                           command=cmd))), command=cmd))

@@ -34,7 +34,7 @@ import urllib.request
 import numpy as np
 import torch
 
-from runlock import FileLock, describe
+from lowbit.runlock import FileLock, describe
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 TEXT_EXT = (".txt", ".md", ".py")

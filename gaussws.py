@@ -87,16 +87,16 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 
-from philox import philox_words, philox_words_torch
-import pqt_baselines
-from numerics import _f32
-from pqt_checks import (GEN_METHODS, MEMORY_MODES, METHODS, _check_choice, _check_input, _check_layer_args, _check_layer_dtypes, _check_module, _check_noise, _check_out_dtype,
+from lowbit.philox import philox_words, philox_words_torch
+from lowbit.pqt import baselines as pqt_baselines
+from lowbit.numerics import _f32
+from lowbit.pqt.checks import (GEN_METHODS, MEMORY_MODES, METHODS, _check_choice, _check_input, _check_layer_args, _check_layer_dtypes, _check_module, _check_noise, _check_out_dtype,
                         _check_sample_args, _check_seed, _check_shape, _check_tiles, _check_weight, _resolve_impl, _seed_tensor)
-from pqt_dispatch import _call_of, _check_recomputed_call, _compute_dtype, _launch, _layer_seed, _register_sample_ops
-from pqt_packing import _to_int32, unpack_noise
-from pqt_triton import (CONFIG, NOISE_DENSE, NOISE_FUSED, NOISE_PACKED, _INTERPRET, _add_rn, _cast, _exp2,
+from lowbit.pqt.ops import _call_of, _check_recomputed_call, _compute_dtype, _launch, _layer_seed, _register_sample_ops
+from lowbit.pqt.packing import _to_int32, unpack_noise
+from lowbit.pqt.tl import (CONFIG, NOISE_DENSE, NOISE_FUSED, NOISE_PACKED, _INTERPRET, _add_rn, _cast, _exp2,
                         _interleave8, _launch_config, _max_nan, _noise_mode)
-from pqt_tiles import TILE, _broadcast_tiles, _tile_block, _tile_programs, tile_grid
+from lowbit.pqt.tiles import TILE, _broadcast_tiles, _tile_block, _tile_programs, tile_grid
 
 # eq. 10: exact law of R for method "gaussws"
 P2 = 0.75 * 2.0 ** -9                         # P(R=+2) = P(R=-2)
@@ -841,11 +841,11 @@ def bitwidth_penalty(model):
 # names of the sibling files that callers import from here (`from gaussws import apply_pqt`), looked
 # up when asked for: the files built on this one import it, so it cannot import them first
 _SIBLING_OF = dict.fromkeys(("apply_pqt", "remove_pqt", "GaussWSConv1D", "ALL_PARTS", "GPT2_PARTS", "LLAMA_PARTS",
-                             "HF_PARTS", "HEAD_NAMES", "_parse_parts", "_format_of"), "pqt_surgery")
+                             "HF_PARTS", "HEAD_NAMES", "_parse_parts", "_format_of"), "lowbit.pqt.surgery")
 _SIBLING_OF |= dict.fromkeys(("FP_TIERS", "fp_tier", "bitwidth_stats", "CAST_SWEEP", "cast_fp", "cast_tiles",
-                              "cast_to_tiers"), "pqt_export") | {"_diffq_offsets": "pqt_baselines"}
-_SIBLING_OF |= dict.fromkeys(("IMPLS", "W_DTYPES", "_SEED_CACHE", "_SEED_CACHE_SIZE"), "pqt_checks")
-_SIBLING_OF |= dict.fromkeys(("pack_noise", "bits_of_element"), "pqt_packing")
+                              "cast_to_tiers"), "lowbit.pqt.export") | {"_diffq_offsets": "lowbit.pqt.baselines"}
+_SIBLING_OF |= dict.fromkeys(("IMPLS", "W_DTYPES", "_SEED_CACHE", "_SEED_CACHE_SIZE"), "lowbit.pqt.checks")
+_SIBLING_OF |= dict.fromkeys(("pack_noise", "bits_of_element"), "lowbit.pqt.packing")
 
 
 def __getattr__(name):

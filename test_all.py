@@ -48,15 +48,15 @@ import triton.language as tl
 
 import adam4bit as A
 import bench
-import bench_training
-import bench_util
+from benchmarks import training as bench_training
+from benchmarks import util as bench_util
 import data as datamod
-import experiments
+from experiments import quality as experiments
 import gaussws as g
-import philox
-import runlock
-import sr_bits
-import tools
+from lowbit import philox
+from lowbit import runlock
+from lowbit.optim import sr_bits
+from experiments import tools
 import train
 from codebooks import CODEBOOKS, NF4, dynamic_map, get_codebook
 from model import GPT, PRESETS, preset_config
@@ -2150,8 +2150,7 @@ def test_step_in_backward_gives_the_ordinary_steps_bit_for_bit(preset, pqt):
     the hooks fire while later blocks are recomputed) equals the ordinary step after backward, for
     torch's AdamW, the RTN presets and ZIP-SR (its SR seeds key on the parameter's position), and
     no gradient is left after backward."""
-    import step_in_backward as sib
-
+    from lowbit import in_backward as sib
     def run(in_backward):
         torch.manual_seed(0)
         m = GPT(preset_config("nano-llama", vocab_size=256))
@@ -2176,7 +2175,7 @@ def test_step_in_backward_gives_the_ordinary_steps_bit_for_bit(preset, pqt):
 
 
 def test_step_in_backward_refuses_what_it_cannot_do():
-    import step_in_backward as sib
+    from lowbit import in_backward as sib
     p = torch.nn.Parameter(torch.zeros(4096))
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got Linear"):
         sib.step_in_backward(nn.Linear(2, 2))
@@ -2190,7 +2189,7 @@ def test_step_in_backward_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("limit", [0, 1, 2, 7, 40, 41, 150])
 @pytest.mark.parametrize("guess", [1, 9, 60, 500])
 def test_capacity_search_finds_the_largest_fitting_layer_count(limit, guess):
-    import bench_capacity
+    from benchmarks import capacity as bench_capacity
     probed = []
 
     def fits(n):
@@ -5615,7 +5614,7 @@ def test_bench_multigpu_runs_one_ddp_fsdp_and_a_dcp_resume_on_one(corpus, tmp_pa
     --grad_accum 2, DDP and FSDP2 on 2 and the FSDP2 checkpoint continued on 1 agree at every eval
     up to summation order; FSDP2 holds less optimizer state per process than one process; the
     figure draws from the result."""
-    import bench_multigpu
+    from benchmarks import multigpu as bench_multigpu
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     text, data_dir = corpus
     flags = ["--preset", "nano", "--dataset", text, "--data_dir", data_dir, "--tokenizer", "byte", "--batch_size", "2",
@@ -6203,7 +6202,7 @@ def test_quality_in_process_run_stopped_by_a_signal_names_the_harness_resume(mon
     """--jobs 1: a run that train.py stops at a checkpoint on Ctrl-C / SIGTERM (exit 130 / 143)
     ends the harness too, whose last line says to continue the whole comparison with --resume; a
     flag error's exit passes through without it."""
-    import quality_runs
+    from experiments import runs as quality_runs
     for code, said in ((143, True), (130, True), (2, False)):
         monkeypatch.setattr(train, "main", lambda argv, code=code: sys.exit(code))
         with pytest.raises(SystemExit) as e:
@@ -6544,7 +6543,7 @@ def test_tools_parses_each_subcommand_and_finds_what_it_calls(capsys):
 
 def test_finetune_hf_example_writes_a_plain_model_that_loads_without_this_repo(tmp_path, monkeypatch, capsys):
     tf = pytest.importorskip("transformers", reason="finetune_hf.py needs transformers and accelerate")
-    import finetune_hf
+    from examples import finetune_hf
     monkeypatch.setenv("OMP_NUM_THREADS", "1")        # main leaves the test's thread count alone
     text = tmp_path / "corpus.txt"
     text.write_text(open(argparse.__file__, encoding="utf-8").read()[:40000], encoding="utf-8")
@@ -6568,7 +6567,7 @@ def test_finetune_hf_example_writes_a_plain_model_that_loads_without_this_repo(t
 
 
 def test_finetune_hf_rejects_bad_inputs_in_one_line_before_training(tmp_path, capsys):
-    import finetune_hf
+    from examples import finetune_hf
     text = tmp_path / "corpus.txt"
     text.write_text("some text\n" * 50, encoding="utf-8")
     (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00abc")

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from train_checkpoint import (CKPT_FORMAT, atomic_write, checkpoints_in, ckpt_path, resume_path, run_config,
+from trainer.checkpoint import (CKPT_FORMAT, atomic_write, checkpoints_in, ckpt_path, resume_path, run_config,
                               save_checkpoint, save_dcp_checkpoint)
-from train_flags import tokens_per_step
-from train_util import RunError, say
+from trainer.flags import tokens_per_step
+from trainer.util import RunError, say
 
 
 def machine(device):

@@ -14,7 +14,7 @@ import data as datamod
 import gaussws
 from codebooks import CODEBOOKS
 from model import PRESETS, preset_config
-from train_util import rank0, say
+from trainer.util import rank0, say
 
 METHODS = ("bf16", "gaussws", "diffq")
 OPTIMS = ("adamw", "fp32", "torchao", "zipsr", "zeeden", "adam-mini")

@@ -86,7 +86,7 @@ def train_subprocesses(todo, jobs):
     import threading
     import time
     import train as trainer
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
     gpus, queue, running, failed = _visible_gpus(), list(todo), [], {}
     # a time limit or scheduler sends SIGTERM: raise SystemExit so the finally below ends the runs
     main_thread = threading.current_thread() is threading.main_thread()

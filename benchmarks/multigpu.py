@@ -19,7 +19,7 @@ reductions. train.py's tokens/s counts the global batch, so the efficiency is to
 """
 import os
 
-from bench_util import run_train_py
+from benchmarks.util import run_train_py
 
 CASES = (("bf16", "adamw"), ("gaussws", "zipsr"), ("bf16", "zipsr"), ("gaussws", "adamw"))
 

@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-from adamw_fp32 import _fp32_loop, _fused_fp32_args, _fused_fp32_group, _split_fp32
-from launch_tables import _bias_table, _triton_regrad
-from optim_args import _group_hparams
-from optim_state import DTensor, _drop_local_grads, _local_params
-from sr_bits import _seed_of_step, _seed_term
+from lowbit.optim.fp32 import _fp32_loop, _fused_fp32_args, _fused_fp32_group, _split_fp32
+from lowbit.optim.launch import _bias_table, _triton_regrad
+from lowbit.optim.args import _group_hparams
+from lowbit.optim.state import DTensor, _drop_local_grads, _local_params
+from lowbit.optim.sr_bits import _seed_of_step, _seed_term
 
 
 class PlanKey(NamedTuple):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sr_bits import _seed_of_index, _tl_seed_of_step
+from lowbit.optim.sr_bits import _seed_of_index, _tl_seed_of_step
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)    # param and grad dtypes
 _DTYPE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the kernels' P_KIND, G_KIND

@@ -41,7 +41,7 @@ def kernels(shapes, configs):
     bandwidth), beside the BF16 path's casts of the same weight; a config whose outputs differ from
     the current config's is marked DIFF."""
     import triton
-    from bench_util import copy_bandwidth
+    from benchmarks.util import copy_bandwidth
     bw = copy_bandwidth()
     seed = g._seed_tensor(12345, "cuda")
     bf16 = torch.bfloat16
@@ -144,7 +144,8 @@ def launches():
     interpreter, which must be chosen before triton is imported)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         env = dict(os.environ, TRITON_INTERPRET="1")
-        return subprocess.run([sys.executable, os.path.abspath(__file__), "launches"], env=env, check=True)
+        return subprocess.run([sys.executable, "-m", "experiments.tools", "launches"], env=env, check=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import triton
     print(f"torch {torch.__version__}, triton {triton.__version__}; GaussWSLinear(64, 96), bias, x (8, 64), "
           "loss = y.sum(); second call counted\n", flush=True)
@@ -172,7 +173,7 @@ def profile(presets):
     one step started on an idle GPU (median of 5), and torch.profiler's device time per step over
     3 steps, summed by kernel family, with the 14 largest kernels."""
     from torch.profiler import ProfilerActivity
-    import bench_training as bt
+    from benchmarks import training as bt
     cases = dict(bt.TABLE1)
     for preset in presets:
         for method in ("bf16", "gaussws"):
@@ -224,7 +225,7 @@ def _shapes(text):
 
 
 def build_parser():
-    from bench_training import TABLE1
+    from benchmarks.training import TABLE1
     ap = argparse.ArgumentParser(prog="tools.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True, metavar="{kernels,launches,profile}")
     p = sub.add_parser("kernels", help="GPU: the fused GaussWS kernels over launch configurations")
@@ -241,7 +242,7 @@ def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "profile":
-        from bench_training import TABLE1
+        from benchmarks.training import TABLE1
         bad = [p for p in args.presets if p not in dict(TABLE1)]
         if bad:
             ap.error(f"profile {' '.join(bad)}: not a Table 1 preset; allowed: {', '.join(dict(TABLE1))}")

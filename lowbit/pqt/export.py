@@ -7,8 +7,8 @@ import math
 import torch
 
 from gaussws import B_MAX, B_MIN, pqt_layers
-from pqt_checks import _check_module
-from pqt_tiles import TILE, _broadcast_tiles, tile_grid
+from lowbit.pqt.checks import _check_module
+from lowbit.pqt.tiles import TILE, _broadcast_tiles, tile_grid
 
 
 # ==============================================================================================

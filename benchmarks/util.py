@@ -22,7 +22,7 @@ def run_train_py(flags, out_dir, nproc=None):
     import subprocess
     import sys
     import train as trainer
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
     launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
                                  if nproc else [])
     r = subprocess.run([*launch, os.path.join(here, "train.py"), *flags, "--out_dir", out_dir],

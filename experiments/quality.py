@@ -31,11 +31,9 @@ import sys
 import torch
 
 import gaussws as g
-from bench_util import save
-from plots import plot_bitwidth, plot_cast, plot_quality, plot_results
-import quality_runs
-
-
+from benchmarks.util import save
+from experiments.plots import plot_bitwidth, plot_cast, plot_quality, plot_results
+from experiments import runs as quality_runs
 # ---------------------------------------------------------------------------------------------
 # quality: the papers' comparisons at small scale, same data, seeds and steps for every run
 

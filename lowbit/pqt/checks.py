@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from pqt_tiles import tile_grid
+from lowbit.pqt.tiles import tile_grid
 
 METHODS = ("gaussws", "diffq")
 GEN_METHODS = ("gaussws", "diffq", "bm")

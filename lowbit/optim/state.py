@@ -5,9 +5,9 @@ AdamW4bit's states: creation, the layouts of state_dict() and load_state_dict(),
 """
 import torch
 
-from launch_tables import KERNEL_DTYPES
-from param_write import join_master, write_param
-from sr_bits import ShardIndex
+from lowbit.optim.launch import KERNEL_DTYPES
+from lowbit.optim.param_write import join_master, write_param
+from lowbit.optim.sr_bits import ShardIndex
 
 try:                       # FSDP2 parameters are DTensors; builds without torch.distributed have none
     from torch.distributed.tensor import DTensor, Replicate

@@ -11,7 +11,7 @@ import torch
 import adam4bit as A
 import gaussws as g
 
-from bench_util import copy_bandwidth, host_ms, median_ms, power_during
+from benchmarks.util import copy_bandwidth, host_ms, median_ms, power_during
 
 
 # ---------------------------------------------------------------------------------------------

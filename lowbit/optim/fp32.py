@@ -9,12 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from launch_tables import (_DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SQ, TAB_FIRST_PROGRAM,
+from lowbit.optim.launch import (_DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SQ, TAB_FIRST_PROGRAM,
                            TAB_GRAD, TAB_N_BLOCKS, TAB_OFFSET, TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_P,
                            TAB_WIDTH, _cached_tables, _device_scalars, _launch_scalars)
-from numerics import _denominator
-from param_write import _join_master, _param_bits16, _write_step, read_param
-from sr_bits import _sr_seed, _tl_sr_seed, _uniform, shard_offset, shard_span
+from lowbit.numerics import _denominator
+from lowbit.optim.param_write import _join_master, _param_bits16, _write_step, read_param
+from lowbit.optim.sr_bits import _sr_seed, _tl_sr_seed, _uniform, shard_offset, shard_span
 
 
 def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", seed=0, u_p=None, span=None):

@@ -3,8 +3,8 @@ Fine-tune a Hugging Face causal LM on a text file with GaussWS PQT (paper A) and
 states (paper B) through the Hugging Face Trainer, then hand back a plain model (remove_pqt) that
 loads with `from_pretrained` and no code of this repository.
 
-    python finetune_hf.py --text corpus.txt                  # tiny Llama from a config, bytes; CPU, ~1 min
-    python finetune_hf.py --model HuggingFaceTB/SmolLM2-135M --text corpus.txt --max_steps 2000 \
+    python examples/finetune_hf.py --text corpus.txt                  # tiny Llama from a config, bytes; CPU, ~1 min
+    python examples/finetune_hf.py --model HuggingFaceTB/SmolLM2-135M --text corpus.txt --max_steps 2000 \
         --block_size 512 --lr 3e-4 --cast tiers --out smollm-pqt           # a real model, on a GPU
 
 Needs `pip install transformers accelerate` (optional for the rest of the repository). The steps:
@@ -18,12 +18,14 @@ import argparse
 import math
 import os
 import re
+import sys
 import time
 
 import torch
 
-import gaussws
-from adam4bit import AdamW4bit, PRESETS
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # from a clone: the repository root
+import gaussws  # noqa: E402
+from adam4bit import AdamW4bit, PRESETS  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -8,7 +8,7 @@ import os
 import triton
 import triton.language as tl
 
-from numerics import tl_bf16_rne_bits
+from lowbit.numerics import tl_bf16_rne_bits
 from triton.language.extra import libdevice
 
 # the noise R as the apply and grad kernels get it (`_noise_block`'s NOISE)

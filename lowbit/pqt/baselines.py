@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from philox import philox_words, philox_words_torch
-from pqt_packing import pack_noise
-from pqt_triton import _cast, _interleave8
+from lowbit.philox import philox_words, philox_words_torch
+from lowbit.pqt.packing import pack_noise
+from lowbit.pqt.tl import _cast, _interleave8
 
 
 def _gen_diffq_torch(m, n, seed):

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from gaussws import GaussWSLinear, _check_bits, pqt_layers
-from pqt_checks import IMPLS, MEMORY_MODES, METHODS, _check_choice, _check_dtype, _check_fused, _check_module, _check_seed
-from pqt_export import cast_fp, cast_tiles, cast_to_tiers
+from lowbit.pqt.checks import IMPLS, MEMORY_MODES, METHODS, _check_choice, _check_dtype, _check_fused, _check_module, _check_seed
+from lowbit.pqt.export import cast_fp, cast_tiles, cast_to_tiers
 
 GPT2_PARTS = ("qkv", "out", "up", "down")
 LLAMA_PARTS = ("q", "k", "v", "out", "gate", "up", "down")

@@ -10,8 +10,8 @@ import math
 import torch
 
 from codebooks import get_codebook
-from launch_tables import _BIAS_ROWS_MAX, KERNEL_DTYPES
-from param_write import MASTER_WEIGHT_BITS, PARAM_ROUNDINGS
+from lowbit.optim.launch import _BIAS_ROWS_MAX, KERNEL_DTYPES
+from lowbit.optim.param_write import MASTER_WEIGHT_BITS, PARAM_ROUNDINGS
 
 ROUNDINGS = ("rtn", "sr")
 COORDS = ("state", "update")

@@ -27,7 +27,7 @@ import time
 import torch
 
 from model import GPT, GPTConfig
-from train_log import optimizer_state_bytes
+from trainer.log import optimizer_state_bytes
 
 WIDTH_7B = dict(n_embd=4096, n_head=32, n_kv_head=8, ffn_hidden=11008, vocab_size=50304, pos="rope",
                 mlp="swiglu", norm="rmsnorm", tie_embeddings=False, split_qkv=True)
@@ -82,7 +82,7 @@ def probe(setup, n_layer, steps=3, device="cuda"):
     when the GPU ran out of memory; everything the probe allocated is freed either way. The
     optimizer's package must be importable (largest() checks before probing)."""
     import gaussws
-    from step_in_backward import step_in_backward
+    from lowbit.in_backward import step_in_backward
     dtype, kind, pqt, in_backward, arith = SETUPS[setup]
     model = opt = handles = None
     torch.cuda.empty_cache()

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from philox import philox
+from lowbit.philox import philox
 
 SEED_MOD = 2 ** 31 - 1        # a prime: the terms below never cancel to a shared seed by accident
 SEED_MULT = 1_000_003         # the run seed's multiplier

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from numerics import bf16_rne_bits, tl_bf16_rne_bits, tl_bf16_round_bits
-from sr_bits import span_uniforms
+from lowbit.numerics import bf16_rne_bits, tl_bf16_rne_bits, tl_bf16_round_bits
+from lowbit.optim.sr_bits import span_uniforms
 
 PARAM_ROUNDINGS = ("rtn", "sr")
 MASTER_WEIGHT_BITS = (None, 24)

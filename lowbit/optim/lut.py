@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from codebooks import get_codebook, midpoints
-from numerics import sqrt_rn
+from lowbit.numerics import sqrt_rn
 
 LUT_BUCKETS = (32, 64, 128, 256, 512, 1024)   # bucket counts of the level search over [-1, 1]
 

@@ -13,9 +13,9 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-import runlock
-from train_flags import end_iter, unread_flags
-from train_util import RunError, say
+from lowbit import runlock
+from trainer.flags import end_iter, unread_flags
+from trainer.util import RunError, say
 
 CKPT_FORMAT = "gaussws-adam4bit-train-v1"
 # Run settings that may differ between a checkpoint and the run resuming it: they do not change

@@ -12,7 +12,7 @@ import torch
 
 import adam4bit as A
 import gaussws as g
-from bench_util import run_train_py
+from benchmarks.util import run_train_py
 
 
 # ---------------------------------------------------------------------------------------------

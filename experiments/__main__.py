@@ -1,0 +1,3 @@
+from experiments.quality import main
+
+main()

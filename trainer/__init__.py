@@ -1,0 +1,1 @@
+"""train.py's parts: flags, checkpoints, the run log and signals, distributed setup, shared errors."""
