@@ -78,33 +78,21 @@ import triton.language as tl
 from lowbit.optim import plan as fused_step
 from lowbit.optim import args as optim_args
 from lowbit.optim import state as optim_state
-from lowbit.optim.fp32 import _adamw_kernel, _adamw_prepare
-from lowbit.optim.fp32 import _adamw_launch as _adamw_launch_with
+from lowbit.optim.fp32 import adamw_fp32_kernel, adamw_prepare
+from lowbit.optim.fp32 import adamw_fp32_launch as _adamw_launch_with
 from codebooks import get_codebook, midpoints
-from lowbit.optim.lut import _join_bits, _kernel_tables, _unpair
-from lowbit.optim.launch import (_DTYPE_KIND, KERNEL_DTYPES, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SCALE,
-                           TAB_EXP_AVG_SQ, TAB_EXP_AVG_SQ_SCALE, TAB_FIRST_PROGRAM, TAB_GRAD, TAB_N_BLOCKS,
-                           TAB_OFFSET, TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH,
-                           _cached_tables, _device_scalars, _launch_scalars)
-from lowbit.numerics import _denominator, _f32, sqrt_rn
-from lowbit.optim.args import _check_block_size, _check_quant_args, _group_hparams
-from lowbit.optim.state import _is_dtensor
-from lowbit.optim.param_write import _join_master, _param_bits16, _write_step, read_param
-from lowbit.optim.sr_bits import _seed_of_step, _sr_seed, _tile_uniforms, _tl_sr_seed, shard_offset, shard_span, span_uniforms
+from lowbit.optim.lut import join_bits, build_kernel_tables, unpair
+from lowbit.optim.launch import (DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SCALE, TAB_EXP_AVG_SQ,
+                                 TAB_EXP_AVG_SQ_SCALE, TAB_FIRST_PROGRAM, TAB_GRAD, TAB_N_BLOCKS, TAB_OFFSET,
+                                 TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH,
+                                 cached_tables, device_scalars, launch_scalars)
+from lowbit.numerics import adam_denominator, f32, sqrt_rn
+from lowbit.optim.args import check_block_size, check_quant_args, group_hparams
+from lowbit.optim.state import is_dtensor
+from lowbit.optim.param_write import tl_join_master, param_bits16, write_step, read_param
+from lowbit.optim.sr_bits import (sr_seed_of, tile_uniforms, tl_sr_seed, shard_offset, shard_span,
+                                  span_uniforms)
 
-# names that tests, bench.py, experiments.py and train.py import from here
-from lowbit.optim.fp32 import ADAMW_BLOCK, adamw_step_torch, adamw_step_triton  # noqa: F401,E402
-from lowbit.optim.lut import LUT_BUCKETS, _bucket_lut, _pair_bits  # noqa: F401,E402
-from lowbit.optim.launch import _BIAS_ROWS_MAX, _bias_table, _triton_regrad  # noqa: F401,E402
-from lowbit.optim.args import COORDS, IMPLS, ROUNDINGS, V_ROUNDINGS  # noqa: F401,E402
-from lowbit.optim.state import _PACKED  # noqa: F401,E402
-from lowbit.optim.param_write import (MASTER_WEIGHT_BITS, PARAM_ROUNDINGS, _correction_unit, join_master,  # noqa: F401,E402
-                         round_to_bf16, split_master, write_param)
-from lowbit.optim.metrics import (nonzero_to_zero_fraction, radial_bias, relative_rms_error,  # noqa: F401,E402
-                           update_relative_error)
-from lowbit.optim.sr_bits import _SEED_MOD, _seed_of_index, _uniforms  # noqa: F401,E402
-
-_midpoints = midpoints     # the name the tests and older scripts use
 
 # ============================================================================================
 # The block quantizer (reference): Def. 3, Appendix A.2, eq. 3.2
@@ -113,7 +101,7 @@ def preconditioner(v, bias_correction2, eps):
     """h_t(v) = 1 / (sqrt(v / (1 - b2^t)) + eps) (paper B, Sec. 3.1; eq. 3.1 here), elementwise.
 
     v: float32 tensor (>= 0), any shape; bias_correction2 = 1 - b2^t; returns float32 like v."""
-    return 1.0 / _denominator(v, bias_correction2, eps)
+    return 1.0 / adam_denominator(v, bias_correction2, eps)
 
 
 def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, eps=1e-8, u=None,
@@ -144,10 +132,10 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
     # p = (1/rb - 1/rx) / (1/rb - 1/ra) = (rb - rx) ra / ((rb - ra) rx).
     if coord == "update":
         if r_scale is None:
-            r_scale = _f32(1 / math.sqrt(bias_correction2))
+            r_scale = f32(1 / math.sqrt(bias_correction2))
         ra = r_scale * sqrt_rn(a) + eps
         rb = r_scale * sqrt_rn(b) + eps
-        rx = _denominator(x, bias_correction2, eps) if r_x is None else r_x
+        rx = adam_denominator(x, bias_correction2, eps) if r_x is None else r_x
         num, den = (rb - rx) * ra, (rb - ra) * rx
     else:
         num, den = b - x, b - a
@@ -186,7 +174,7 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     bias_correction2 or u, a non-divisible numel, or negative x with coord="update".
     """
     T = get_codebook(codebook).to(x.device)
-    _check_quant_args(x, block_size, rule, coord, T, bias_correction2)
+    check_quant_args(x, block_size, rule, coord, T, bias_correction2)
     xb = x.detach().reshape(-1, block_size).float()
     if coord == "update" and bool((xb < 0).any()):
         raise ValueError("coord='update' rounds second moments: x must be nonnegative")
@@ -200,8 +188,8 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
         u = u.reshape(xb.shape)
     r_x = r_scale = None
     if coord == "update":
-        r_x = _denominator(xb, bias_correction2, eps)
-        r_scale = sqrt_rn(s) * _f32(1 / math.sqrt(bias_correction2))
+        r_x = adam_denominator(xb, bias_correction2, eps)
+        r_scale = sqrt_rn(s) * f32(1 / math.sqrt(bias_correction2))
     codes = round_to_levels(y, T, rule, coord, bias_correction2, eps, u, r_x, r_scale)   # eq. A.2
     s = s.view(-1)
     if eden:                                                      # eq. 3.2
@@ -222,7 +210,7 @@ def dequantize_blockwise(packed, scales, codebook, block_size=128):
     """
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
-    _check_block_size(block_size)
+    check_block_size(block_size)
     T = get_codebook(codebook).to(packed.device)
     if packed.numel() * 2 != scales.numel() * block_size:
         raise ValueError(f"packed ({packed.numel()} bytes) and scales ({scales.numel()}) do not "
@@ -266,7 +254,7 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
     decay, step_size = 1 - lr * wd, lr / bc1
     corr = state.get("param_correction")
     w = read_param(param, corr).reshape(-1)                          # eq. MW with a correction
-    w = w * decay - step_size * m / _denominator(v, bc2, eps)       # eq. 3.1: r_t(v~)
+    w = w * decay - step_size * m / adam_denominator(v, bc2, eps)       # eq. 3.1: r_t(v~)
     # eq. D3 + A.2: store both moments; v in its coordinate (eq. 3.1 for Update-*) and with
     # EDEN (eq. 3.2)
     gen = torch.Generator(device=param.device).manual_seed(seed)
@@ -276,15 +264,15 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
         m, cfg["m_codebook"], B, m_rounding, "state", u=u_m, generator=gen, span=span)
     state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blockwise(
         v, cfg["v_codebook"], B, v_rule, v_coord, bc2, eps, cfg["eden"], u=u_v, generator=gen, span=span)
-    _write_step(param, w, corr, cfg.get("param_rounding", "rtn"), u_p, gen, span)
+    write_step(param, w, corr, cfg.get("param_rounding", "rtn"), u_p, gen, span)
 
 
 # ============================================================================================
 # The presets (paper B, Table 2) and the seed scheme
 #
 # SR bits of step t depend only on (seed, t, parameter index) and the element's position in the
-# whole tensor (FSDP2 shards too): the reference steps seed their generator with _sr_seed(seed,
-# t, index), the kernels add _seed_of_step(seed, t) to the launch table's _seed_of_index(index)
+# whole tensor (FSDP2 shards too): the reference steps seed their generator with sr_seed_of(seed,
+# t, index), the kernels add step_seed(seed, t) to the launch table's index_seed(index)
 # (sr_bits.py). Presets: m is always rounded in state space; v's rounding names "coord-rule".
 PRESETS = {
     "fp32":    dict(m_codebook=None, m_rounding=None, v_codebook=None, v_rounding=None,
@@ -297,7 +285,7 @@ PRESETS = {
                     v_rounding="update-sr", eden=False, lm_head_sr_after=0.9),
 }
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
-_FUSED_ADAMW_DEVICES = ("cuda",)   # where FP32-state FP32 parameters take torch's fused AdamW
+FUSED_ADAMW_DEVICES = ("cuda",)   # where FP32-state FP32 parameters take torch's fused AdamW
 
 
 # ============================================================================================
@@ -356,17 +344,17 @@ class AdamW4bit(torch.optim.Optimizer):
                  capturable=False):
         optim_args.check_init_args(PRESETS, lr, betas, eps, weight_decay, preset, block_size, impl, seed,
                                    param_rounding, master_weight_bits, capturable)
-        self.qcfg = cfg = optim_args._quantizer_config(PRESETS, preset, block_size, m_codebook, m_rounding,
+        self.qcfg = cfg = optim_args.quantizer_config(PRESETS, preset, block_size, m_codebook, m_rounding,
                                                        v_codebook, v_rounding, eden, lm_head_sr_after)
         cfg.update(param_rounding=param_rounding, master_weight_bits=master_weight_bits)
         self.impl = impl
         # the kernel's lookup tables (CPU; copied to each device at its first step). Their buckets
-        # need levels >= ~0.004 apart (_bucket_lut); None: impl="torch", FP32 states, or a codebook
+        # need levels >= ~0.004 apart (bucket_lut); None: impl="torch", FP32 states, or a codebook
         # too dense for them under impl="auto" (the reference path)
         self._kernel_tabs = None
         if cfg["m_codebook"] is not None and impl != "torch":
             try:
-                self._kernel_tabs = _kernel_tables(cfg)
+                self._kernel_tabs = build_kernel_tables(cfg)
             except ValueError as e:
                 if impl == "triton":
                     raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
@@ -375,7 +363,7 @@ class AdamW4bit(torch.optim.Optimizer):
         self._shard_layouts = {}   # id(DTensor parameter) -> optim_state._shard_layout
         self._local_views = {}     # id(DTensor parameter) -> (its local tensor, the step's alias)
         self.capturable = capturable
-        self._device_bufs = {}     # capturable: lr buffers per group, _bias_table per (betas, wd)
+        self._device_bufs = {}     # capturable: lr buffers per group, capturable_bias_table per (betas, wd)
         self.seed = int(seed)
         self.progress = 0.0
         self._lm_head = set()
@@ -495,7 +483,7 @@ class AdamW4bit(torch.optim.Optimizer):
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         cacheable, index, writeback = plan["key"] is not None, 0, []
         for gi, group in enumerate(self.param_groups):
-            hp = _group_hparams(group)
+            hp = group_hparams(group)
             fp32, quant, small = [], {}, {}
             for p in group["params"]:
                 index += 1
@@ -506,7 +494,7 @@ class AdamW4bit(torch.optim.Optimizer):
                 plan["states"].append(st)
                 t, sidx = int(st["step"]), index
                 quantized, m_rule = self.is_quantized(p, group), self.m_rounding_for(p)
-                if _is_dtensor(p):   # FSDP2: step this rank's shard (or the gathered tensor)
+                if is_dtensor(p):   # FSDP2: step this rank's shard (or the gathered tensor)
                     p, st, sidx, gathered = optim_state.local_step(self, p, st, quantized, index, writeback)
                     cacheable = cacheable and not gathered   # a gathered tensor is new each step
                     if p.numel() == 0:   # fewer rows than ranks: nothing here
@@ -519,18 +507,18 @@ class AdamW4bit(torch.optim.Optimizer):
                     quant.setdefault((t, p.dtype, p.grad.dtype, m_rule), []).append((p, st, sidx))
                 else:
                     cacheable = False
-                    adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule, _sr_seed(self.seed, t, sidx),
+                    adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule, sr_seed_of(self.seed, t, sidx),
                                          span=shard_span(sidx))
             rule = self.qcfg["param_rounding"]
             launches = [(t, _triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache,
                                             own_table=cacheable), items, _triton_launch)
                         for (t, _, _, m_rule), items in quant.items()]
-            launches += [(t, _adamw_prepare(items, rule, self._kernel_cache, own_table=cacheable), items,
+            launches += [(t, adamw_prepare(items, rule, self._kernel_cache, own_table=cacheable), items,
                           _adamw_launch) for (t, *_), items in small.items()]
-            fused_step.run_group(self, plan, gi, group, hp, fp32, launches, _FUSED_ADAMW_DEVICES)
+            fused_step.run_group(self, plan, gi, group, hp, fp32, launches, FUSED_ADAMW_DEVICES)
         for args in writeback:
-            optim_state._write_back(*args)
-        optim_state._drop_local_grads(self._local_views)
+            optim_state.write_back(*args)
+        optim_state.drop_local_grads(self._local_views)
         return cacheable
 
     def _use_triton(self, p, interp):
@@ -559,21 +547,21 @@ _INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit(do_not_specialize=["seed_of_step", "bias_rows"])
-def _adamw4bit_kernel(
+def adamw4bit_kernel(
         # launch tables: program -> tensor (int32), one row per tensor (int64, TAB_* columns)
         program_tensor, launch_table,
-        # codebook tables (_kernel_tables): decode byte -> (T[lo], T[hi]); T_v for EDEN; level
+        # codebook tables (build_kernel_tables): decode byte -> (T[lo], T[hi]); T_v for EDEN; level
         # search (bucket tables and half their bucket counts); adjacent levels k -> (a, b)
         m_decode, v_decode, v_codebook, m_lut, v_lut, m_hn, v_hn, m_adjacent, v_adjacent,
         # hyper-parameters of this step (eq. 2.1a-b, 3.1): seed_of_step + the table's index term
-        # is the tensor's SR seed (_sr_seed); decay = 1 - lr wd; step_size = lr / bc1
+        # is the tensor's SR seed (sr_seed_of); decay = 1 - lr wd; step_size = lr / bc1
         seed_of_step, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
-        # capturable steps (DEV): t and lr read from device memory, see _device_scalars
+        # capturable steps (DEV): t and lr read from device memory, see device_scalars
         step_ptr, lr_ptr, bias_table, bias_rows, DEV: tl.constexpr,
         # the configuration: rounding rules (eq. A.2), EDEN (eq. 3.2), input types and layout
         M_SR: tl.constexpr, V_SR: tl.constexpr, V_UPDATE: tl.constexpr, EDEN: tl.constexpr,
         HAS_U: tl.constexpr, ALIGNED: tl.constexpr, SHARDED: tl.constexpr, PAIRED: tl.constexpr,
-        # parameter and gradient dtypes (_DTYPE_KIND: 0 FP32, 1 BF16, 2 FP16) and the BF16 write:
+        # parameter and gradient dtypes (DTYPE_KIND: 0 FP32, 1 BF16, 2 FP16) and the BF16 write:
         # SR (P_SR) or eq. MW's 24-bit master weight (P_CORR)
         P_KIND: tl.constexpr, G_KIND: tl.constexpr, P_SR: tl.constexpr, P_CORR: tl.constexpr,
         # tiling: BLOCK_SIZE elements per scale block, NB blocks per tile, TILES tiles per program
@@ -582,7 +570,7 @@ def _adamw4bit_kernel(
     # iteration; its row of the launch table gives the tensor's pointers.
     tl.static_assert(TILES % 2 == 0)    # tile pairs start at even tiles, as the SR bits' (_pair_uniforms)
     if DEV:
-        seed_of_step, decay, step_size, inv_sqrt_bc2 = _device_scalars(step_ptr, lr_ptr, bias_table,
+        seed_of_step, decay, step_size, inv_sqrt_bc2 = device_scalars(step_ptr, lr_ptr, bias_table,
                                                                        bias_rows, seed_of_step)
     pid = tl.program_id(0)
     row = launch_table + tl.load(program_tensor + pid) * TAB_WIDTH
@@ -597,7 +585,7 @@ def _adamw4bit_kernel(
     exp_avg_scale = tl.load(row + TAB_EXP_AVG_SCALE).to(tl.pointer_type(tl.float32))
     exp_avg_sq = tl.load(row + TAB_EXP_AVG_SQ).to(tl.pointer_type(tl.uint8))
     exp_avg_sq_scale = tl.load(row + TAB_EXP_AVG_SQ_SCALE).to(tl.pointer_type(tl.float32))
-    seed = _tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))     # _sr_seed
+    seed = tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))     # sr_seed_of
     # global block of block 0: an FSDP2 shard's; 0 at compile time in unsharded launches
     off = tl.load(row + TAB_OFFSET) // BLOCK_SIZE if SHARDED else 0
     u_m = tl.load(row + TAB_U_M).to(tl.pointer_type(tl.float32))
@@ -617,7 +605,7 @@ def _adamw4bit_kernel(
         b = _load_tile(param, grad, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f + NB,
                        last, b1, b2, True, P_KIND, G_KIND, P_CORR, ALIGNED, BLOCK_SIZE, NB)
         # SR uniforms of both tiles (tests: HAS_U, the caller's, from the launch table's u_m, u_v, u_p)
-        u = _tile_uniforms(seed, u_m, u_v, u_p, f, off, pair, n_blocks - f, last - f - NB, M_SR, V_SR,
+        u = tile_uniforms(seed, u_m, u_v, u_p, f, off, pair, n_blocks - f, last - f - NB, M_SR, V_SR,
                            P_SR, HAS_U, PAIRED, BLOCK_SIZE, NB)
         _step_tile(a0, a1, a2, a3, a4, a5, a6, a7, u[0], u[1], u[2], u[3], u[4], u[5],
                    param, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, f, n_blocks,
@@ -662,8 +650,8 @@ def _load_tile(param, grad, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq
         g0 = _ld(grad + first * BLOCK_SIZE + 2 * pair, mask).to(tl.float32)
         g1 = _ld(grad + first * BLOCK_SIZE + 2 * pair + 1, mask).to(tl.float32)
     if P_CORR:       # eq. MW: w = x + e 2^(E-15)
-        w0 = _join_master(w0, _ld(corr + first * BLOCK_SIZE + 2 * pair, mask))
-        w1 = _join_master(w1, _ld(corr + first * BLOCK_SIZE + 2 * pair + 1, mask))
+        w0 = tl_join_master(w0, _ld(corr + first * BLOCK_SIZE + 2 * pair, mask))
+        w1 = tl_join_master(w1, _ld(corr + first * BLOCK_SIZE + 2 * pair + 1, mask))
     return m_byte, v_byte, b1s, b2s, w0, w1, g0, g1
 
 
@@ -687,10 +675,10 @@ def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1, up0
     exp_avg_sq_scale += first
 
     # eq. 2.1a, the working moments: m~ = T[code] (b1 s) + (1-b1) g, v~ likewise with g²
-    t0, t1 = _unpair(tl.load(m_decode + m_byte))              # T[code] of both nibbles
+    t0, t1 = unpair(tl.load(m_decode + m_byte))              # T[code] of both nibbles
     m0 = t0 * b1s + g0 * one_minus_b1
     m1 = t1 * b1s + g1 * one_minus_b1
-    t0, t1 = _unpair(tl.load(v_decode + v_byte))
+    t0, t1 = unpair(tl.load(v_decode + v_byte))
     v0 = t0 * b2s + g0 * g0 * one_minus_b2
     v1 = t1 * b2s + g1 * g1 * one_minus_b2
 
@@ -702,13 +690,13 @@ def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1, up0
     if P_KIND == 0:
         if ALIGNED:
             tl.store(param.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BLOCK_SIZE // 2)
-                     + pair, _join_bits(w0, w1), mask=mask)
+                     + pair, join_bits(w0, w1), mask=mask)
         else:
             tl.store(param + first * BLOCK_SIZE + 2 * pair, w0, mask=mask)
             tl.store(param + first * BLOCK_SIZE + 2 * pair + 1, w1, mask=mask)
     else:            # write_param: the 16-bit patterns h0, h1 (low halves of int32)
-        h0 = _param_bits16(w0, up0, corr + first * BLOCK_SIZE + 2 * pair, mask, P_KIND, P_SR, P_CORR)
-        h1 = _param_bits16(w1, up1, corr + first * BLOCK_SIZE + 2 * pair + 1, mask, P_KIND, P_SR, P_CORR)
+        h0 = param_bits16(w0, up0, corr + first * BLOCK_SIZE + 2 * pair, mask, P_KIND, P_SR, P_CORR)
+        h1 = param_bits16(w1, up1, corr + first * BLOCK_SIZE + 2 * pair + 1, mask, P_KIND, P_SR, P_CORR)
         if ALIGNED:
             tl.store(param.to(tl.pointer_type(tl.int32), bitcast=True) + first * (BLOCK_SIZE // 2)
                      + pair, h0 | (h1 << 16), mask=mask)
@@ -748,7 +736,7 @@ def _load_pair(ptr, pair, mask, KIND: tl.constexpr):
     # elements 2 pair, 2 pair + 1 as float32 from one aligned word (little-endian: the even
     # element in the low half); BF16 and FP16 -> FP32 are exact
     if KIND == 0:
-        lo, hi = _unpair(_ld(ptr.to(tl.pointer_type(tl.int64), bitcast=True) + pair, mask))
+        lo, hi = unpair(_ld(ptr.to(tl.pointer_type(tl.int64), bitcast=True) + pair, mask))
     else:
         word = _ld(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pair, mask)
         if KIND == 1:
@@ -762,18 +750,18 @@ def _load_pair(ptr, pair, mask, KIND: tl.constexpr):
 
 @triton.jit
 def _quantize(y, lut, hn, adjacent, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
-    # eq. A.2: round_to_levels(y, T, ...) with the same float32 operations. _bucket_lut (2 hn
+    # eq. A.2: round_to_levels(y, T, ...) with the same float32 operations. bucket_lut (2 hn
     # buckets) gives the count of boundaries <= y: the code itself for State-RTN, else the lower
     # level's index k. y is in [-1, 1] or NaN (the whole block then, see _step_tile): the GPU
     # converts NaN to bucket 0, the interpreter to INT_MIN, so there (only) the index is clamped.
     j = tl.fma(y, hn, hn).to(tl.int32)
     if _INTERP:
         j = tl.maximum(j, 0)
-    count, bound = _unpair(tl.load(lut + j))
+    count, bound = unpair(tl.load(lut + j))
     k = count.to(tl.int32, bitcast=True) + (y >= bound).to(tl.int32)
     if not SR and not UPDATE:
         return k
-    a, b = _unpair(tl.load(adjacent + k))
+    a, b = unpair(tl.load(adjacent + k))
     if UPDATE:                       # a, b are sqrt(T[k]), sqrt(T[k+1])
         ra = r_scale * a + eps
         rb = r_scale * b + eps
@@ -811,17 +799,17 @@ def _ld(ptr, mask):
 
 def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_of_step, tables, cache,
                           u=None):
-    """adamw4bit_step_torch for many tensors in one launch of _adamw4bit_kernel (paper B, eq.
+    """adamw4bit_step_torch for many tensors in one launch of adamw4bit_kernel (paper B, eq.
     2.1a-b, Def. 3 / App. A.2 storage, EDEN eq. 3.2), bit for bit given the same SR uniforms.
 
     items:  (param, state, index) triples of one device, parameter dtype, gradient dtype and
             step t: param a contiguous float32/bfloat16/float16 tensor with a contiguous grad of
             one of these dtypes, numel a multiple of cfg["block_size"]; state as in
             adamw4bit_step_torch (written in place, with its param_correction if any); index the
-            parameter's position from 1 (its SR seed is _sr_seed(seed, t, index)) or a ShardIndex.
+            parameter's position from 1 (its SR seed is sr_seed_of(seed, t, index)) or a ShardIndex.
     lr, b1, b2, eps, wd, t, cfg, m_rounding: as in adamw4bit_step_torch.
-    seed_of_step: _seed_of_step(seed, t), the step's term of every tensor's SR seed.
-    tables: _kernel_tables(cfg) (CPU); cache: a dict kept per optimizer, filled here with the
+    seed_of_step: step_seed(seed, t), the step's term of every tensor's SR seed.
+    tables: build_kernel_tables(cfg) (CPU); cache: a dict kept per optimizer, filled here with the
             tables on each device and the program and launch tables of each set of tensors.
     u:      optional list of (u_m, u_v, u_p) float32 uniform tensors per item, replacing the
             kernel's Philox bits (tests).
@@ -834,7 +822,7 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
     """Everything of adamw4bit_step_triton's launch that does not change between steps: the
     grid's program table, the launch table, the lookup tables and the compile-time flags (a
     dict for _triton_launch). own_table: a launch table of its own, not shared with the cache
-    (the step's cached plan rewrites its gradient column in place, _triton_regrad)."""
+    (the step's cached plan rewrites its gradient column in place, triton_regrad)."""
     B = cfg["block_size"]
     dev = items[0][0].device
     dev_tables = cache.setdefault("tables", {})
@@ -849,7 +837,7 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
         for p, st, i in items)
     if u is not None:
         ptrs = tuple(r + tuple(x.data_ptr() for x in us) for r, us in zip(ptrs, u))
-    progs, tab, extra = _cached_tables(     # the rows' first programs depend on B, nb, KERNEL_TILES too
+    progs, tab, extra = cached_tables(     # the rows' first programs depend on B, nb, KERNEL_TILES too
         cache, dev, (dev, B, KERNEL_TILES, numels), [n // B for n in numels], nb * KERNEL_TILES,
         (B, nb, KERNEL_TILES, ptrs), ptrs, B, own_table)
     # reading an element pair as one word needs p and grad 8- (FP32) or 4-byte (BF16, FP16)
@@ -871,17 +859,17 @@ def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=Fal
         flags=dict(M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
                    EDEN=bool(cfg["eden"]), HAS_U=u is not None,
                    SHARDED=any(r[8] for r in ptrs), PAIRED=all(r[8] // B % (2 * nb) == 0 for r in ptrs),
-                   P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
+                   P_KIND=DTYPE_KIND[p0.dtype], G_KIND=DTYPE_KIND[p0.grad.dtype],
                    P_SR=bf16 and not p_corr and cfg.get("param_rounding", "rtn") == "sr", P_CORR=p_corr,
                    ALIGNED=p_aligned and all(r[1] % g_align == 0 for r in ptrs),
                    BLOCK_SIZE=B, NB=nb, TILES=KERNEL_TILES, num_warps=1, **extra))
 
 
 def _triton_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
-    """Launch _adamw4bit_kernel for a _triton_prepare plan with step t's scalars."""
-    (seed_of_step, decay, step_size, inv_sqrt_bc2), dev = _launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step)
+    """Launch adamw4bit_kernel for a _triton_prepare plan with step t's scalars."""
+    (seed_of_step, decay, step_size, inv_sqrt_bc2), dev = launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step)
     tabs, m_lut, v_lut = launch["tabs"], launch["m_lut"], launch["v_lut"]
-    _adamw4bit_kernel[launch["grid"]](
+    adamw4bit_kernel[launch["grid"]](
         launch["progs"], launch["tab"],
         tabs["m_decode"], tabs["v_decode"], tabs["v_codebook"], m_lut, v_lut,
         (m_lut.numel() - 1) / 2, (v_lut.numel() - 1) / 2, tabs["m_adjacent"], tabs["v_adjacent"],
@@ -893,6 +881,6 @@ def _triton_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
 
 
 def _adamw_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
-    """adamw_fp32._adamw_launch with this module's _adamw_kernel, looked up at each call (so a
+    """adamw_fp32._adamw_launch with this module's adamw_fp32_kernel, looked up at each call (so a
     profiler or a host-time benchmark can replace both kernels here, e.g. bench.bench_host)."""
-    _adamw_launch_with(launch, lr, b1, b2, eps, wd, t, seed_of_step, _adamw_kernel)
+    _adamw_launch_with(launch, lr, b1, b2, eps, wd, t, seed_of_step, adamw_fp32_kernel)

@@ -43,6 +43,7 @@ from benchmarks.kernels import bench_host, bench_noise, bench_optim
 from benchmarks.multigpu import CASES as MULTIGPU_CASES, bench_multigpu
 from benchmarks.training import FSDP_WARMUP, TABLE1, bench_ddp, bench_fsdp, bench_memory, bench_train, bench_train_gpt2
 from benchmarks.util import save
+from trainer.flags import COMPILE_MODES, METHODS, OPTIMS, OneLineParser
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,7 +51,7 @@ from benchmarks.util import save
 
 def build_parser():
     import train as trainer
-    ap = trainer.OneLineParser(prog="bench.py", description=__doc__,
+    ap = OneLineParser(prog="bench.py", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "capacity", "ddp", "multigpu",
                                        "fsdp", "quality", "plots"],
@@ -92,11 +93,11 @@ def multigpu_cases(ap, text):
     """--cases as (method, optim) pairs; one-line error naming what is allowed."""
     import train as trainer
     pairs = [tuple(x.split("/")) for x in text.split(",") if x]
-    bad = [x for x in text.split(",") if len(x.split("/")) != 2 or x.split("/")[0] not in trainer.METHODS
-           or x.split("/")[1] not in trainer.OPTIMS]
+    bad = [x for x in text.split(",") if len(x.split("/")) != 2 or x.split("/")[0] not in METHODS
+           or x.split("/")[1] not in OPTIMS]
     if bad or not pairs or len(set(pairs)) != len(pairs):
-        ap.error(f"--cases {text!r}: each a train.py method/optim pair, once (methods {', '.join(trainer.METHODS)}; "
-                 f"optims {', '.join(trainer.OPTIMS)})")
+        ap.error(f"--cases {text!r}: each a train.py method/optim pair, once (methods {', '.join(METHODS)}; "
+                 f"optims {', '.join(OPTIMS)})")
     return pairs
 
 
@@ -107,8 +108,8 @@ def check_args(ap, args):
     if args.only in (None, "train"):
         methods = args.methods.split(",")
         for name, vals, allowed in (("--methods", methods, ("bf16",) + g.METHODS),
-                                    ("--optims", args.optims.split(","), trainer.OPTIMS),
-                                    ("--modes", args.modes.split(","), trainer.COMPILE_MODES),
+                                    ("--optims", args.optims.split(","), OPTIMS),
+                                    ("--modes", args.modes.split(","), COMPILE_MODES),
                                     ("--models", args.models.split(","), [p for p, _ in TABLE1])):
             if any(v not in allowed for v in vals) or len(set(vals)) != len(vals):
                 ap.error(f"{name} {','.join(vals)}: allowed {', '.join(allowed)}, each once")

@@ -89,14 +89,14 @@ from torch._subclasses.fake_tensor import is_fake
 
 from lowbit.philox import philox_words, philox_words_torch
 from lowbit.pqt import baselines as pqt_baselines
-from lowbit.numerics import _f32
-from lowbit.pqt.checks import (GEN_METHODS, MEMORY_MODES, METHODS, _check_choice, _check_input, _check_layer_args, _check_layer_dtypes, _check_module, _check_noise, _check_out_dtype,
-                        _check_sample_args, _check_seed, _check_shape, _check_tiles, _check_weight, _resolve_impl, _seed_tensor)
-from lowbit.pqt.ops import _call_of, _check_recomputed_call, _compute_dtype, _launch, _layer_seed, _register_sample_ops
-from lowbit.pqt.packing import _to_int32, unpack_noise
-from lowbit.pqt.tl import (CONFIG, NOISE_DENSE, NOISE_FUSED, NOISE_PACKED, _INTERPRET, _add_rn, _cast, _exp2,
-                        _interleave8, _launch_config, _max_nan, _noise_mode)
-from lowbit.pqt.tiles import TILE, _broadcast_tiles, _tile_block, _tile_programs, tile_grid
+from lowbit.numerics import f32
+from lowbit.pqt.checks import (GEN_METHODS, MEMORY_MODES, METHODS, check_choice, check_input, check_layer_args, check_layer_dtypes, check_module, check_noise, check_out_dtype,
+                        check_sample_args, check_seed, check_shape, check_tiles, check_weight, resolve_impl, seed_tensor)
+from lowbit.pqt.ops import call_of, check_recomputed_call, compute_dtype, kernel_launcher, layer_seed, register_sample_ops
+from lowbit.pqt.packing import to_int32, unpack_noise
+from lowbit.pqt.tl import (CONFIG, NOISE_DENSE, NOISE_FUSED, NOISE_PACKED, TRITON_INTERPRETED, tl_add_rn, tl_cast, tl_exp2,
+                        tl_interleave8, launch_config, tl_max_nan, noise_mode)
+from lowbit.pqt.tiles import TILE, broadcast_tiles, tile_block, tile_programs, tile_grid
 
 # eq. 10: exact law of R for method "gaussws"
 P2 = 0.75 * 2.0 ** -9                         # P(R=+2) = P(R=-2)
@@ -153,7 +153,7 @@ def _recipe_torch(r0, r1, r2, r3):
 def _gen_gaussws_torch(m, n, seed):
     n8 = -(-n // 8)
     idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
-    return _to_int32(_recipe_torch(*philox_words_torch(seed, idx))).view(m, n8)
+    return to_int32(_recipe_torch(*philox_words_torch(seed, idx))).view(m, n8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def _apply_torch(w, noise, pow2, method, out_dtype):
     """eq. 3 in plain PyTorch: (w_hat in out_dtype, tile maxima float32)."""
     m, n = w.shape
     tmax = _tile_max_torch(w)
-    scale = _broadcast_tiles(tmax * pow2.float(), m, n)
+    scale = broadcast_tiles(tmax * pow2.float(), m, n)
     w_hat = (w.float() + _noise_values_torch(noise, method, n) * scale).to(out_dtype)
     return w_hat, tmax
 
@@ -213,7 +213,7 @@ def _grad_torch(g, noise, tmax, method, w_dtype, bits=None):
 LN2 = math.log(2)
 
 
-def _check_bits(b_init, b_target):
+def check_bits(b_init, b_target):
     """b_init, b_target: numbers (not bool) in [B_MIN, B_MAX] with b_target <= b_init (eq. 11:
     b_t starts at b_init, b_i = 1, and weight decay on b_i moves it to b_target). Equal values are
     allowed: b_t = b_target for every b_i (fixed-bitwidth PQT, b_i gets zero gradient)."""
@@ -263,7 +263,7 @@ def _bits_grad_torch(dpow2, live, b_scale, b_dtype):
 
 
 # ==============================================================================================
-# The Triton kernels, in the order of the reference above (`_cast`, their float32 -> dtype, is in pqt_triton.py)
+# The Triton kernels, in the order of the reference above (`tl_cast`, their float32 -> dtype, is in pqt_triton.py)
 
 # ----------------------------------------------------------------------------------------------
 # eq. 10: Philox4x32-10 words of packed word p (counter (p, call counter), key = the layer key),
@@ -314,7 +314,7 @@ def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE: tl.conste
             w = tl.load(r_ptr + row * N8 + q, mask=(row < M) & (q < N8), other=0)
         else:
             w = _packed_words(seed_ptr, row * N8 + q)
-        nib = _interleave8(w & 0xF, (w >> 4) & 0xF, (w >> 8) & 0xF, (w >> 12) & 0xF,
+        nib = tl_interleave8(w & 0xF, (w >> 4) & 0xF, (w >> 8) & 0xF, (w >> 12) & 0xF,
                            (w >> 16) & 0xF, (w >> 20) & 0xF, (w >> 24) & 0xF, (w >> 28) & 0xF)
         mag = (nib & 7).to(tl.float32)
         r = tl.where((nib & 8) != 0, -mag, mag)
@@ -325,12 +325,12 @@ def _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE: tl.conste
 def _tile_absmax(w):
     """max_32(|w|) of a (32, BT, 32) block: (BT,) (masked-out elements loaded as 0 are neutral).
     A NaN in a tile makes its maximum NaN, as torch's amax (tl.max would skip it)."""
-    return tl.reduce(tl.reduce(tl.abs(w), 2, _max_nan), 0, _max_nan)
+    return tl.reduce(tl.reduce(tl.abs(w), 2, tl_max_nan), 0, tl_max_nan)
 
 
 @triton.jit
 def _tilemax_kernel(w_ptr, out_ptr, M, N, TN, BT: tl.constexpr):
-    ti, tidx, row, col, mask = _tile_block(M, N, TN, BT)
+    ti, tidx, row, col, mask = tile_block(M, N, TN, BT)
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = _tile_absmax(w)
     tl.store(out_ptr + tidx, tmax, mask=ti < TN)
@@ -343,7 +343,7 @@ def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, b_ptr, li
     """eq. 3 in Triton, one program = 32 rows × BT tiles: w_hat = w + R·tilemax·2^(1-b_t). With
     BITS, 2^(1-b_t) is not read but made from b here (`_tile_bits_torch`), and written masked by
     the clamp range of b_t (`_pow2_live_torch`) for the backward: no launch of its own per call."""
-    ti, tidx, row, col, mask = _tile_block(M, N, TN, BT)
+    ti, tidx, row, col, mask = tile_block(M, N, TN, BT)
     w = tl.load(w_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
     tmax = _tile_absmax(w)                                             # (BT,), edge tiles masked
     tmask = ti < TN
@@ -352,14 +352,14 @@ def _apply_kernel(w_ptr, r_ptr, pow2_ptr, out_ptr, tmax_ptr, seed_ptr, b_ptr, li
         # eq. 11 as torch rounds it: the product to float32 (exact in float64, then rounded once),
         # then the sum, rounded again. The scalars come in as float32 or (from Inductor) float64
         p = (b.to(tl.float64) * b_scale).to(tl.float32)
-        b_t = _add_rn(p, (tl.zeros_like(p) + b_target).to(tl.float32), INTERPRET)
-        pow2 = _exp2(1.0 - tl.where(b_t < B_LO, B_LO, tl.where(b_t > B_HI, B_HI, b_t)), INTERPRET)   # torch's clamp, NaN kept
+        b_t = tl_add_rn(p, (tl.zeros_like(p) + b_target).to(tl.float32), INTERPRET)
+        pow2 = tl_exp2(1.0 - tl.where(b_t < B_LO, B_LO, tl.where(b_t > B_HI, B_HI, b_t)), INTERPRET)   # torch's clamp, NaN kept
         tl.store(live_ptr + tidx, tl.where((b_t >= B_LO) & (b_t <= B_HI), pow2, 0.0), mask=tmask)
     else:
         pow2 = tl.load(pow2_ptr + tidx, mask=tmask, other=0.0)
     r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
     w_hat = w + r * (tmax * pow2)[None, :, None]
-    tl.store(out_ptr + row * N + col, _cast(w_hat, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * N + col, tl_cast(w_hat, out_ptr.dtype.element_ty), mask=mask)
     tl.store(tmax_ptr + tidx, tmax, mask=tmask)
 
 
@@ -371,9 +371,9 @@ def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, db_ptr, seed_ptr, live_ptr, b_s
                  M, N, N8, TN, NOISE: tl.constexpr, BT: tl.constexpr, CHAIN: tl.constexpr):
     """eq. 4 in Triton: dw = g (cast to w's dtype); d(2^(1-b_t)) = tilemax · sum_32(g ⊙ R), and
     with CHAIN ∂L/∂b from it (the formula above, `_bits_grad_torch`), cast to b's dtype."""
-    ti, tidx, row, col, mask = _tile_block(M, N, TN, BT)
+    ti, tidx, row, col, mask = tile_block(M, N, TN, BT)
     g = tl.load(g_ptr + row * N + col, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dw_ptr + row * N + col, _cast(g, dw_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_ptr + row * N + col, tl_cast(g, dw_ptr.dtype.element_ty), mask=mask)
     r = _noise_block(r_ptr, seed_ptr, row, col, ti, mask, M, N, N8, NOISE)
     s = tl.sum(tl.sum(g * r, axis=2), axis=0)
     tmask = ti < TN
@@ -384,7 +384,7 @@ def _grad_kernel(g_ptr, r_ptr, tmax_ptr, dw_ptr, db_ptr, seed_ptr, live_ptr, b_s
         # b_scale is a float32 value; Inductor passes it as float64: the float64 product of two
         # float32 values is exact, so rounding it once gives the float32 product either way
         d = (tl.where(live != 0, -((d * live) * 0.6931471805599453), 0.0) * b_scale).to(tl.float32)
-    tl.store(db_ptr + tidx, _cast(d, db_ptr.dtype.element_ty), mask=tmask)
+    tl.store(db_ptr + tidx, tl_cast(d, db_ptr.dtype.element_ty), mask=tmask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,11 +397,11 @@ def _generate_torch(m, n, seed, method):
     if method == "gaussws":
         return _gen_gaussws_torch(m, n, seed)
     if method == "diffq":
-        return pqt_baselines._gen_diffq_torch(m, n, seed)
-    return pqt_baselines._gen_bm_torch(m, n, seed)
+        return pqt_baselines.gen_diffq_torch(m, n, seed)
+    return pqt_baselines.gen_bm_torch(m, n, seed)
 
 
-def _generate_triton(m, n, seed, method, block=None, num_warps=None):
+def generate_triton(m, n, seed, method, block=None, num_warps=None):
     n8 = -(-n // 8)
     n_words = m * n8
     block = block or CONFIG["gen_block"]
@@ -409,11 +409,11 @@ def _generate_triton(m, n, seed, method, block=None, num_warps=None):
     grid = (triton.cdiv(n_words, block),)
     if method == "diffq":
         out = torch.empty(m, n, dtype=torch.bfloat16, device=seed.device)
-        _launch(pqt_baselines._gen_diffq_kernel)[grid](out, seed, m, n, n8, BLOCK=block, num_warps=num_warps)
+        kernel_launcher(pqt_baselines.gen_diffq_kernel)[grid](out, seed, m, n, n8, BLOCK=block, num_warps=num_warps)
         return out
     out = torch.empty(m, n8, dtype=torch.int32, device=seed.device)
-    kernel = _gen_gaussws_kernel if method == "gaussws" else pqt_baselines._gen_bm_kernel
-    _launch(kernel)[grid](out, seed, n_words, BLOCK=block, num_warps=num_warps)
+    kernel = _gen_gaussws_kernel if method == "gaussws" else pqt_baselines.gen_bm_kernel
+    kernel_launcher(kernel)[grid](out, seed, n_words, BLOCK=block, num_warps=num_warps)
     return out
 
 
@@ -427,12 +427,12 @@ def generate_noise(shape, seed, method="gaussws", impl="auto", device=None):
     transcendental functions whose last bits differ across backends). device: where R is made
     (default: the seed tensor's device, else CPU).
     Raises ValueError/TypeError on a bad shape, seed, method or impl."""
-    _check_choice("method", method, GEN_METHODS)
-    m, n = _check_shape(shape)
+    check_choice("method", method, GEN_METHODS)
+    m, n = check_shape(shape)
     dev = device if device is not None else (seed.device if isinstance(seed, torch.Tensor) else "cpu")
-    seed = _seed_tensor(seed, dev)
-    if _resolve_impl(impl, seed) == "triton":
-        return _generate_triton(m, n, seed, method)
+    seed = seed_tensor(seed, dev)
+    if resolve_impl(impl, seed) == "triton":
+        return generate_triton(m, n, seed, method)
     return _generate_torch(m, n, seed, method)
 
 
@@ -440,37 +440,37 @@ def tile_max(w, impl="auto"):
     """max_32(|w|) of eq. 3 for w (m, n) float32/bfloat16/float16: float32 tensor of the tile grid
     shape (ceil(m/32), ceil(n/32)); edge tiles are partial (the max over the elements that exist).
     Raises TypeError / ValueError on a bad w or impl."""
-    _check_weight(w)
+    check_weight(w)
     w = w.contiguous()
-    if _resolve_impl(impl, w) == "torch":
+    if resolve_impl(impl, w) == "torch":
         return _tile_max_torch(w)
     m, n = w.shape
     tm, tn = tile_grid(m, n)
     out = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
     bt = CONFIG["apply_bt"]
-    _tilemax_kernel[_tile_programs(tm, tn, bt)](w, out, m, n, tn, BT=bt, num_warps=CONFIG["apply_warps"])
+    _tilemax_kernel[tile_programs(tm, tn, bt)](w, out, m, n, tn, BT=bt, num_warps=CONFIG["apply_warps"])
     return out
 
 
-def _apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None, bits=None):
+def apply_triton(w, noise, pow2, seed, method, out_dtype, fused, bt=None, num_warps=None, bits=None):
     """The kernel's (w_hat, tile maxima) from 2^(1-b_t) (pow2, float32 tiles); or, with
     bits = (b, b_target, b_scale) (b contiguous tiles, pow2 None), from b as `_tile_bits_torch`
     makes it, and `_pow2_live_torch`'s tiles as a third output."""
     m, n = w.shape
     tm, tn = tile_grid(m, n)
-    mode = _noise_mode(method, fused)
-    cfg = _launch_config("apply", mode, tm * tn)
+    mode = noise_mode(method, fused)
+    cfg = launch_config("apply", mode, tm * tn)
     bt, num_warps = bt or cfg[0], num_warps or cfg[1]
     w_hat = torch.empty(m, n, dtype=out_dtype, device=w.device)
     tmax = torch.empty(tm, tn, dtype=torch.float32, device=w.device)
     live = torch.empty(tm, tn, dtype=torch.float32, device=w.device) if bits is not None else tmax
     b, b_target, b_scale = bits if bits is not None else (tmax, 0.0, 1.0)
-    b_target, b_scale = _f32(b_target), _f32(b_scale)   # torch's float32 scalars, also in the interpreter
+    b_target, b_scale = f32(b_target), f32(b_scale)   # torch's float32 scalars, also in the interpreter
     r = w if mode == NOISE_FUSED else noise   # unused pointer in fused mode
-    _launch(_apply_kernel)[_tile_programs(tm, tn, bt)](w, r, tmax if pow2 is None else pow2, w_hat, tmax, seed,
+    kernel_launcher(_apply_kernel)[tile_programs(tm, tn, bt)](w, r, tmax if pow2 is None else pow2, w_hat, tmax, seed,
                                              b, live, b_target, b_scale, m, n, -(-n // 8), tn,
                                              NOISE=mode, BT=bt, BITS=bits is not None, B_LO=B_MIN,
-                                             B_HI=B_MAX, INTERPRET=_INTERPRET, num_warps=num_warps)
+                                             B_HI=B_MAX, INTERPRET=TRITON_INTERPRETED, num_warps=num_warps)
     return (w_hat, tmax) if bits is None else (w_hat, tmax, live)
 
 
@@ -483,32 +483,32 @@ def apply_noise(w, noise, b_t, method="gaussws", out_dtype=torch.bfloat16, impl=
     tile-grid tensor of bitwidths (clamped to [B_MIN, B_MAX]).
     Raises TypeError / ValueError on a bad w, b_t, noise (type, dtype, shape, device), out_dtype,
     method or impl."""
-    _check_choice("method", method, METHODS)
-    _check_weight(w)
-    _check_tiles(b_t, w, "b_t")
+    check_choice("method", method, METHODS)
+    check_weight(w)
+    check_tiles(b_t, w, "b_t")
     w = w.contiguous()
-    _check_noise(noise, w, method)
-    _check_out_dtype(out_dtype)
+    check_noise(noise, w, method)
+    check_out_dtype(out_dtype)
     with torch.no_grad():
         pow2 = _pow2(b_t)
-        if _resolve_impl(impl, w) == "torch":
+        if resolve_impl(impl, w) == "torch":
             return _apply_torch(w, noise, pow2, method, out_dtype)
-        return _apply_triton(w, noise.contiguous(), pow2, None, method, out_dtype, False)
+        return apply_triton(w, noise.contiguous(), pow2, None, method, out_dtype, False)
 
 
-def _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None, bits=None):
+def grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bt=None, num_warps=None, bits=None):
     """The kernel's (∂L/∂w, ∂L/∂(2^(1−b_t))), or (∂L/∂w, ∂L/∂b) with bits = (live, b_scale,
     b_dtype) (live: `_pow2_live_torch`'s contiguous float32 tiles), as `_grad_torch`."""
     m, n = g.shape
     tm, tn = tmax.shape
-    mode = _noise_mode(method, fused)
-    cfg = _launch_config("grad", mode, tm * tn)
+    mode = noise_mode(method, fused)
+    cfg = launch_config("grad", mode, tm * tn)
     bt, num_warps = bt or cfg[0], num_warps or cfg[1]
     live, b_scale, b_dtype = bits if bits is not None else (tmax, 1.0, torch.float32)
     dw = torch.empty(m, n, dtype=w_dtype, device=g.device)
     db = torch.empty(tm, tn, dtype=b_dtype, device=g.device)
     r = g if mode == NOISE_FUSED else noise
-    _launch(_grad_kernel)[_tile_programs(tm, tn, bt)](g, r, tmax, dw, db, seed, live, _f32(b_scale),
+    kernel_launcher(_grad_kernel)[tile_programs(tm, tn, bt)](g, r, tmax, dw, db, seed, live, f32(b_scale),
                                             m, n, -(-n // 8), tn, NOISE=mode, BT=bt,
                                             CHAIN=bits is not None, num_warps=num_warps)
     return dw, db
@@ -524,7 +524,7 @@ def _regenerate(m, n, seed, method, impl, fused):
     from kernel 1, or None where the fused GaussWS kernel draws R itself."""
     if impl == "torch":
         return _generate_torch(m, n, seed, method)
-    return None if (fused and method == "gaussws") else _generate_triton(m, n, seed, method)
+    return None if (fused and method == "gaussws") else generate_triton(m, n, seed, method)
 
 
 def _pqn_sample_impl(w: torch.Tensor, b: torch.Tensor, seed: torch.Tensor, method: str, out_dtype: torch.dtype,
@@ -540,7 +540,7 @@ def _pqn_sample_impl(w: torch.Tensor, b: torch.Tensor, seed: torch.Tensor, metho
     if impl == "torch":
         b_t, pow2 = _tile_bits_torch(b, b_target, b_scale)
         return *_apply_torch(w, noise, pow2, method, out_dtype), _pow2_live_torch(b_t, pow2)
-    return _apply_triton(w, noise, None, seed, method, out_dtype, fused, bits=(b, b_target, b_scale))
+    return apply_triton(w, noise, None, seed, method, out_dtype, fused, bits=(b, b_target, b_scale))
 
 
 def _pqn_grad_impl(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, live: torch.Tensor,
@@ -552,7 +552,7 @@ def _pqn_grad_impl(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, live
     bits = (live, b_scale, b_dtype)
     if impl == "torch":
         return _grad_torch(g, noise, tmax, method, w_dtype, bits)
-    return _grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bits=bits)
+    return grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bits=bits)
 
 
 def _pqn_setup_context(ctx, inputs, output):
@@ -562,22 +562,22 @@ def _pqn_setup_context(ctx, inputs, output):
     # tile maxima + seed (R is regenerated, not stored), 2^(1-b_t) and the clamp mask for ∂L/∂b
     ctx.save_for_backward(output[1], seed, output[2])
     ctx.args = (method, w.dtype, b.dtype, impl, fused, b_scale)
-    ctx.call = _call_of(seed)
+    ctx.call = call_of(seed)
 
 
 def _pqn_backward(ctx, g_w_hat, g_tmax, g_live):
     # the op's and _PQNSample's backward: the grad op where is_compiling() is true (torch 2.13 while
     # AOTAutograd traces a compiled backward), else the plain function, whose launches go through
-    # wrap_triton under a tracing mode (_launch): right either way, whatever is_compiling() says there
+    # wrap_triton under a tracing mode (kernel_launcher): right either way, whatever is_compiling() says there
     tmax, seed, live = ctx.saved_tensors
-    _check_recomputed_call(ctx.call, seed)
+    check_recomputed_call(ctx.call, seed)
     if g_w_hat is None:                  # grads are not materialized: w_hat had none
         return (None,) * 9
     dw, db = _pqn_ops()[1](g_w_hat, tmax, seed, live, *ctx.args)
     return dw, db, None, None, None, None, None, None, None
 
 
-_pqn_sample_op, _pqn_grad_op = _register_sample_ops(_pqn_sample_impl, _pqn_grad_impl, _pqn_setup_context, _pqn_backward)
+_pqn_sample_op, _pqn_grad_op = register_sample_ops(_pqn_sample_impl, _pqn_grad_impl, _pqn_setup_context, _pqn_backward)
 
 
 class _PQNSample(torch.autograd.Function):
@@ -627,9 +627,9 @@ def gaussws_sample(w, b_t, seed, method="gaussws", out_dtype=torch.bfloat16, imp
     (whose vectorized and scalar paths differ too), and so w_hat by 1 ulp in such a tile.
     Raises TypeError (w dtype, out_dtype, seed type, fused not a bool) / ValueError (shapes, w and
     b_t on different devices, empty w, seed range, a seed tensor's dtype or shape, method, impl)."""
-    impl = _check_sample_args(w, b_t, method, impl, fused)
-    seed = _seed_tensor(seed, w.device)
-    _check_out_dtype(out_dtype)
+    impl = check_sample_args(w, b_t, method, impl, fused)
+    seed = seed_tensor(seed, w.device)
+    check_out_dtype(out_dtype)
     return _pqn_sample(w.contiguous(), b_t.contiguous(), seed, method, out_dtype, impl, fused, *_sample_bits())[0]
 
 
@@ -642,13 +642,13 @@ class _RecomputeLinear(torch.autograd.Function):
         w_hat, tmax, live = _pqn_ops()[0](w, b, seed, method, x.dtype, impl, fused, b_target, b_scale)
         ctx.save_for_backward(x, w, b, seed, tmax, live)
         ctx.args = (method, impl, fused, b_target, b_scale, bias is not None)
-        ctx.call = _call_of(seed)
+        ctx.call = call_of(seed)
         return F.linear(x, w_hat, bias)
 
     @staticmethod
     def backward(ctx, gy):
         x, w, b, seed, tmax, live = ctx.saved_tensors
-        _check_recomputed_call(ctx.call, seed)
+        check_recomputed_call(ctx.call, seed)
         method, impl, fused, b_target, b_scale, has_bias = ctx.args
         sample, grad = _pqn_ops()
         w_hat = sample(w, b, seed, method, x.dtype, impl, fused, b_target, b_scale)[0]
@@ -679,11 +679,11 @@ def _pqt_linear(x, w, b, b_init, b_target, bias, seed, method, memory, impl, fus
     layer's b_i (eq. 11), whose gradient then comes from the grad kernel as it is. seed may also
     be a function that draws it (a layer's `_next_seed`), called once everything is checked: a
     failed call draws no noise."""
-    _check_choice("memory", memory, MEMORY_MODES)
-    impl = _check_sample_args(w, b, method, impl, fused, "b_t" if b_init is None else "b_i")
-    _check_input(x, w, bias)
-    seed = _seed_tensor(seed() if callable(seed) else seed, w.device)
-    cd = _compute_dtype(x)
+    check_choice("memory", memory, MEMORY_MODES)
+    impl = check_sample_args(w, b, method, impl, fused, "b_t" if b_init is None else "b_i")
+    check_input(x, w, bias)
+    seed = seed_tensor(seed() if callable(seed) else seed, w.device)
+    cd = compute_dtype(x)
     b, bits = b.contiguous(), _sample_bits(b_init, b_target)
     # the bias in w_hat's dtype, as autocast casts it (outside autocast x may be BF16, the bias FP32)
     bias = bias.to(cd) if bias is not None else None
@@ -745,9 +745,9 @@ class GaussWSLinear(nn.Linear):
 
     def __init__(self, in_features, out_features, bias=True, method="gaussws", b_init=6.0,
                  b_target=4.0, seed=0, memory="save", impl="auto", fused=True, device=None, dtype=None):
-        _check_layer_args(in_features, out_features, method, memory, impl, fused, dtype)
-        _check_bits(b_init, b_target)
-        _check_seed(seed)
+        check_layer_args(in_features, out_features, method, memory, impl, fused, dtype)
+        check_bits(b_init, b_target)
+        check_seed(seed)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.method, self.memory, self.impl, self.fused = method, memory, impl, fused
         self.b_init, self.b_target = float(b_init), float(b_target)
@@ -757,7 +757,7 @@ class GaussWSLinear(nn.Linear):
         self._key = _splitmix64(seed) & (2 ** 63 - 1)
         self.register_buffer("noise_state", torch.tensor([self._key, 0], dtype=torch.int64, device=device))
         self._name = f"({in_features} -> {out_features})"   # apply_pqt sets the module name
-        self._calls = 0            # eager training calls, to tag their seeds (_check_recomputed_call)
+        self._calls = 0            # eager training calls, to tag their seeds (check_recomputed_call)
         self._last_call = self._replayed = None
         self._warned_b_i = False
 
@@ -797,8 +797,8 @@ class GaussWSLinear(nn.Linear):
         return _bitwidth(self.b_i, self.b_init, self.b_target)
 
     def _next_seed(self):
-        """This call's seed [key, t]; advances t in a training forward (`_layer_seed`)."""
-        return _layer_seed(self)
+        """This call's seed [key, t]; advances t in a training forward (`layer_seed`)."""
+        return layer_seed(self)
 
     def linear_weight(self):
         """The (out, in) weight that eq. 3 samples (GaussWSConv1D: a view of its (in, out) one)."""
@@ -808,7 +808,7 @@ class GaussWSLinear(nn.Linear):
         w = self.linear_weight()
         if not (self.training or self.sample_in_eval):
             return F.linear(x, w, self.bias)
-        _check_layer_dtypes(self, w)
+        check_layer_dtypes(self, w)
         # b_i itself goes in (not b_t = eq. 11 of it): the grad kernel returns ∂L/∂b_i; the seed is
         # drawn after the argument checks (a failed call does not advance the counter)
         return _pqt_linear(x, w, self.b_i, self.b_init, self.b_target, self.bias, self._next_seed,
@@ -821,7 +821,7 @@ class GaussWSLinear(nn.Linear):
 
 def pqt_layers(model):
     """(name, GaussWSLinear) pairs of a model (an nn.Module, else TypeError), in module order."""
-    _check_module(model, "pqt_layers")
+    check_module(model, "pqt_layers")
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GaussWSLinear)]
 
 
@@ -830,7 +830,7 @@ def bitwidth_penalty(model):
     on the unclamped eq. 11 b_t so it also pulls tiles that left [B_MIN, B_MAX] back toward
     b_target. Scalar float32 tensor, differentiable w.r.t. every b_i; 0 (an empty sum) when the
     model has no PQT layer. TypeError if model is not an nn.Module."""
-    _check_module(model, "bitwidth_penalty")
+    check_module(model, "bitwidth_penalty")
     terms = [(m.b_t - m.b_target).abs().mean() for _, m in pqt_layers(model)]
     if not terms:
         p = next(model.parameters(), None)
@@ -841,7 +841,7 @@ def bitwidth_penalty(model):
 # names of the sibling files that callers import from here (`from gaussws import apply_pqt`), looked
 # up when asked for: the files built on this one import it, so it cannot import them first
 _SIBLING_OF = dict.fromkeys(("apply_pqt", "remove_pqt", "GaussWSConv1D", "ALL_PARTS", "GPT2_PARTS", "LLAMA_PARTS",
-                             "HF_PARTS", "HEAD_NAMES", "_parse_parts", "_format_of"), "lowbit.pqt.surgery")
+                             "HF_PARTS", "HEAD_NAMES", "parse_parts", "format_of"), "lowbit.pqt.surgery")
 _SIBLING_OF |= dict.fromkeys(("FP_TIERS", "fp_tier", "bitwidth_stats", "CAST_SWEEP", "cast_fp", "cast_tiles",
                               "cast_to_tiers"), "lowbit.pqt.export") | {"_diffq_offsets": "lowbit.pqt.baselines"}
 _SIBLING_OF |= dict.fromkeys(("IMPLS", "W_DTYPES", "_SEED_CACHE", "_SEED_CACHE_SIZE"), "lowbit.pqt.checks")

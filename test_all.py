@@ -60,6 +60,22 @@ from experiments import tools
 import train
 from codebooks import CODEBOOKS, NF4, dynamic_map, get_codebook
 from model import GPT, PRESETS, preset_config
+from lowbit.optim.fp32 import ADAMW_BLOCK, adamw_step_triton
+from lowbit.optim.lut import LUT_BUCKETS, bucket_lut
+from lowbit.optim.metrics import nonzero_to_zero_fraction, radial_bias, relative_rms_error, update_relative_error
+from lowbit.optim.param_write import correction_unit, join_master, read_param, round_to_bf16, split_master
+from lowbit.optim.sr_bits import step_seed
+from lowbit.optim.state import PACKED
+from codebooks import midpoints
+from lowbit.optim.fp32 import adamw_step_torch
+from lowbit.optim.launch import capturable_bias_table
+from lowbit.optim.sr_bits import sr_uniforms
+from trainer.checkpoint import CKPT_FORMAT, RESUME_DEFAULTS, check_out_dir, check_resume_config, dcp_state, load_checkpoint, resume_path, save_checkpoint
+from trainer.dist import Process, setup_distributed, shard_model
+from trainer.flags import DEFAULT_LR, build_parser, resolve_args
+from trainer.log import Interrupts
+from trainer.log import read_log as read_run_log
+from trainer.util import RunError
 
 
 # markers of the GPU-only tests, which compare the compiled kernels with the reference on CUDA
@@ -744,16 +760,16 @@ def test_optimizer_checks_groups_params_and_state_shapes():
 def test_diagnostics():
     g = torch.Generator().manual_seed(6)
     m = torch.randn(4096, generator=g)
-    assert A.radial_bias(m, m) == 0.0
-    assert A.radial_bias(m, 0.9 * m) == pytest.approx(-0.1, abs=1e-6)
-    assert A.relative_rms_error(m, 1.1 * m) == pytest.approx(0.1, abs=1e-6)
+    assert radial_bias(m, m) == 0.0
+    assert radial_bias(m, 0.9 * m) == pytest.approx(-0.1, abs=1e-6)
+    assert relative_rms_error(m, 1.1 * m) == pytest.approx(0.1, abs=1e-6)
     q = m.clone()
     q[:1024] = 0
-    assert A.nonzero_to_zero_fraction(m, q) == pytest.approx(0.25)
-    assert A.update_relative_error(2 * m, m) == pytest.approx(1.0)
+    assert nonzero_to_zero_fraction(m, q) == pytest.approx(0.25)
+    assert update_relative_error(2 * m, m) == pytest.approx(1.0)
     # RTN on NF4 of a Gaussian block has a small error; the measured RMS error is that of NF4
     packed, s = A.quantize_blockwise(m, "nf4")
-    err = A.relative_rms_error(m, A.dequantize_blockwise(packed, s, "nf4"))
+    err = relative_rms_error(m, A.dequantize_blockwise(packed, s, "nf4"))
     assert 0.03 < err < 0.15
 
 
@@ -950,7 +966,7 @@ def test_kernel_sr_equals_reference_given_the_same_bits(kw):
                                    u=u)
             items.append((b, o_ker.state[b], 0))
             us.append(u)
-        A.adamw4bit_step_triton(items, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, o_ker.qcfg, m_rule, A._seed_of_step(o_ker.seed, t),
+        A.adamw4bit_step_triton(items, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, o_ker.qcfg, m_rule, step_seed(o_ker.seed, t),
                                 o_ker._kernel_tabs, o_ker._kernel_cache, u=us)
     _assert_twins_equal(ref, o_ref, ker, o_ker, quantized_only=True)
 
@@ -1003,14 +1019,14 @@ def test_kernel_nan_gradient_matches_reference(preset, kw):
 
 
 def test_kernel_sr_uniforms_are_16_bit_halves_of_philox():
-    """_uniforms: byte b of a tile pair reads Philox4x32-7 (torch reference) at counter
+    """sr_uniforms: byte b of a tile pair reads Philox4x32-7 (torch reference) at counter
     ((b >> 6) * 32 + (b & 31), stream), half (b >> 5) & 1 of each word, u = (k + 1/2) 2^-16 --
     so bytes b and b + 32 share one call and no two elements share bits; also for byte indices
     past 2^32 (the counter's high word)."""
     @triton.jit
     def k(out, seed, base, stream):
         byte = base + tl.arange(0, 4)[:, None] * 64 + tl.arange(0, 64)[None, :]
-        us = A._uniforms(seed, byte, stream)
+        us = sr_uniforms(seed, byte, stream)
         i = tl.arange(0, 4)[:, None] * 64 + tl.arange(0, 64)[None, :]
         for q in tl.static_range(4):
             tl.store(out + q * 256 + i, us[q])
@@ -1030,7 +1046,7 @@ def test_kernel_sr_uniforms_are_16_bit_halves_of_philox():
 
 def test_kernel_sr_uniforms_of_a_tile_anywhere_equal_its_pairs():
     """_pair_uniforms without PAIRED (an FSDP2 shard whose first block does not start a pair of
-    tiles) gives the bytes of tiles f and f + 1 the uniforms that the paired calls (one _uniforms
+    tiles) gives the bytes of tiles f and f + 1 the uniforms that the paired calls (one sr_uniforms
     for tiles 2k and 2k + 1) give them, for f even and odd, also past 2^32 bytes."""
     @triton.jit
     def k(out, seed, base, PAIRED: tl.constexpr):
@@ -1118,8 +1134,8 @@ def test_bucket_lut_equals_searchsorted():
     sizes = set()
     for name in CODEBOOKS:
         T = get_codebook(name)
-        for bounds in (A._midpoints(T), T[1:-1]):
-            for lut in (A._bucket_lut(bounds), A._bucket_lut(bounds, A.LUT_BUCKETS[-1])):
+        for bounds in (midpoints(T), T[1:-1]):
+            for lut in (bucket_lut(bounds), bucket_lut(bounds, LUT_BUCKETS[-1])):
                 n = lut.numel() - 1
                 sizes.add(n)
                 count = (lut & 0xFFFFFFFF).to(torch.int32)
@@ -1135,10 +1151,10 @@ def test_bucket_lut_equals_searchsorted():
                 assert torch.equal(got, torch.searchsorted(bounds, y, right=True)), (name, n)
     assert {32, 512, 1024} <= sizes                      # NF4 needs 32 buckets, Dyn4 512
     with pytest.raises(ValueError, match="closer than"):
-        A._bucket_lut(torch.tensor([0.0, 0.5, 0.5005, 1.0]))
+        bucket_lut(torch.tensor([0.0, 0.5, 0.5005, 1.0]))
     with pytest.raises(ValueError, match="closer than"):   # too dense for 32 buckets, not 64
-        A._bucket_lut(torch.tensor([-0.5, -0.45, 0.5]), 32)
-    assert A._bucket_lut(torch.tensor([-0.5, -0.45, 0.5])).numel() == 65
+        bucket_lut(torch.tensor([-0.5, -0.45, 0.5]), 32)
+    assert bucket_lut(torch.tensor([-0.5, -0.45, 0.5])).numel() == 65
 
 
 def test_kernel_bf16_grads_at_odd_offsets():
@@ -1205,7 +1221,7 @@ def test_gpu_fused_adamw4bit_step_bit_identical_to_reference():
 # FSDP2 (fully_shard, DTensor parameters) and torch.distributed.checkpoint, 2 gloo processes on CPU
 
 def _rank_main(fn, tmp, rank, world):
-    """Body of one rank started by _launch: join the gloo group of `world` processes through a
+    """Body of one rank started by kernel_launcher: join the gloo group of `world` processes through a
     file store, run fn(rank, world, tmp) and write its result to tmp/fn.rank.pt (atomically)."""
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -1218,7 +1234,7 @@ def _rank_main(fn, tmp, rank, world):
         dist.destroy_process_group()
 
 
-def _launch(fn, tmp, world, *args, timeout=300):
+def kernel_launcher(fn, tmp, world, *args, timeout=300):
     """Run fn(rank, world, tmp, *args) on `world` fresh processes (_rank_main; RANK, WORLD_SIZE,
     LOCAL_RANK set as torchrun does) and return their results, rank by rank. A
     rank is judged by the result file it wrote, not by its exit status: gloo on CPU sometimes
@@ -1366,14 +1382,14 @@ def test_state_dict_gives_per_row_codes_and_loads_either_layout():
     assert shapes == [(40, 128), (33, 64), (3072,), (2048,)] and sd["state"][0]["exp_avg_sq_scale"].shape == (40, 2)
     assert sd["state"][0]["exp_avg"].data_ptr() == opt.state[model.ps[0]]["exp_avg"].data_ptr()   # a view
     assert opt.state[model.ps[0]]["exp_avg"].shape == (40 * 128,)                              # left flat
-    flat = {**sd, "state": {i: {k: v.flatten() if k in A._PACKED else v for k, v in st.items()}
+    flat = {**sd, "state": {i: {k: v.flatten() if k in PACKED else v for k, v in st.items()}
                             for i, st in sd["state"].items()}}
     layouts = copy.deepcopy(sd), copy.deepcopy(flat)    # before the step changes the state in place
     _quadratic_steps(model, opt, 3, 5)
     for saved in layouts:
         again, opt2 = _plain_quadratic("torchao", 3)
         opt2.load_state_dict(saved)
-        assert all(v.dim() == 1 for st in opt2.state.values() for k, v in st.items() if k in A._PACKED)
+        assert all(v.dim() == 1 for st in opt2.state.values() for k, v in st.items() if k in PACKED)
         _quadratic_steps(again, opt2, 3, 5)
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
@@ -1383,10 +1399,10 @@ def fsdp_runs(tmp_path_factory):
     """The 2-rank run with its checkpoints; the runs that load them on 1 and on 2 ranks and into
     an unwrapped model; 2 ranks loading the unwrapped model's checkpoint."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    saved = _launch("_fsdp_train_and_save", tmp, 2)
-    one, two = _launch("_fsdp_load_and_continue", tmp, 1), _launch("_fsdp_load_and_continue", tmp, 2)
+    saved = kernel_launcher("_fsdp_train_and_save", tmp, 2)
+    one, two = kernel_launcher("_fsdp_load_and_continue", tmp, 1), kernel_launcher("_fsdp_load_and_continue", tmp, 2)
     unwrapped = _unwrapped_dcp_round_trip(tmp)
-    return saved, one, two, unwrapped, _launch("_fsdp_load_and_continue", tmp, 2, "dcp-plain")
+    return saved, one, two, unwrapped, kernel_launcher("_fsdp_load_and_continue", tmp, 2, "dcp-plain")
 
 
 def _plain_quadratic(preset, steps, shapes=_FSDP_SHAPES):
@@ -1478,7 +1494,7 @@ def test_fsdp_replayed_step_equals_full_step(tmp_path, world):
     packed states, on 1 rank (the 1-D tensor stepped on its one shard, no all-gather) and on 2
     (row shards; the 1-D tensor, gathered there, would void the plan and is left out). After a
     step the optimizer holds no reference to FSDP2's gradients."""
-    runs = _launch("_fsdp_replay", tmp_path, world)
+    runs = kernel_launcher("_fsdp_replay", tmp_path, world)
     for res in runs:
         assert res[True]["replays"] == 1 and res[False]["replays"] == 0
         ptrs = res[True]["ptrs"]
@@ -1542,7 +1558,7 @@ def test_fsdp_sr_bits_equal_on_one_two_three_ranks(tmp_path, sr_unwrapped, world
     block does not start a pair of kernel tiles, FP32-state rows and vectors: 2 steps give the
     unwrapped model's parameters and states bit for bit, reference and kernel."""
     rows = {1: ([33], [33], [45]), 2: ([17, 16], [17, 16], [23, 22]), 3: ([11] * 3, [11] * 3, [15] * 3)}[world]
-    for rank, res in enumerate(_launch("_fsdp_sr_runs", tmp_path, world)):
+    for rank, res in enumerate(kernel_launcher("_fsdp_sr_runs", tmp_path, world)):
         for impl, want in sr_unwrapped.items():
             got = res[impl]
             assert got["offsets"] == [sum(r[:rank]) * (s[1] if len(s) > 1 else 1) for r, s in zip(rows, _SR_SHAPES)]
@@ -1564,22 +1580,22 @@ def test_round_to_bf16_rtn_is_torchs_cast_and_sr_is_unbiased():
     w = torch.randn(20000, generator=gen) * 10 ** torch.empty(20000).uniform_(-30, 30, generator=gen)
     ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3895e38, 1e-40, 0.0, -0.0])
     w = torch.cat([w, ties])
-    assert torch.equal(A.round_to_bf16(w).view(torch.int16), w.bfloat16().view(torch.int16))
-    assert A.round_to_bf16(torch.tensor([float("nan")])).isnan().all()
+    assert torch.equal(round_to_bf16(w).view(torch.int16), w.bfloat16().view(torch.int16))
+    assert round_to_bf16(torch.tensor([float("nan")])).isnan().all()
     x = torch.randn(64, generator=gen).float() * 3
     bits = x.view(torch.int32)
     down = (bits & -65536).view(torch.float32)                 # the BF16 neighbour toward zero
     up = ((bits & -65536) + 65536).view(torch.float32)         # and away from zero
-    r = A.round_to_bf16(x.expand(4096, 64), "sr", torch.rand(4096, 64, generator=gen)).float()
+    r = round_to_bf16(x.expand(4096, 64), "sr", torch.rand(4096, 64, generator=gen)).float()
     assert ((r == down) | (r == up)).all()
     p = (x - down) / (up - down)                                # P(up) of an unbiased SR
     se = (up - down).abs() * (p * (1 - p) / 4096).sqrt()
     assert ((r.mean(0) - x).abs() <= 5 * se + 1e-9 * x.abs()).all()
     assert (r.std(0) > 0).all()
     with pytest.raises(ValueError, match="uniforms u"):
-        A.round_to_bf16(x, "sr")
+        round_to_bf16(x, "sr")
     with pytest.raises(ValueError, match="rule must be"):
-        A.round_to_bf16(x, "stochastic")
+        round_to_bf16(x, "stochastic")
 
 
 def test_master_weight_split_join_is_16_significant_bits():
@@ -1588,21 +1604,21 @@ def test_master_weight_split_join_is_16_significant_bits():
     with 16 significant bits (unless clamped)."""
     gen = torch.Generator().manual_seed(31)
     w = torch.randn(50000, generator=gen) * 10 ** torch.empty(50000).uniform_(-20, 20, generator=gen)
-    x, e = A.split_master(w)
+    x, e = split_master(w)
     assert x.dtype == torch.bfloat16 and e.dtype == torch.int8 and e.shape == w.shape
     assert torch.equal(x.view(torch.int16), w.bfloat16().view(torch.int16))
-    back = A.join_master(x, e)
-    unit, _ = A._correction_unit(x.float())
+    back = join_master(x, e)
+    unit, _ = correction_unit(x.float())
     clamped = e.abs() == 127      # |w - x| in (127.5, 128] units: error up to one unit
     assert ((back - w).abs() <= torch.where(clamped, unit, unit / 2) * (1 + 1e-6)).all()
     assert clamped.float().mean() < 0.02       # ~3/256: |e| = 127 itself, and the clamped 128
     assert (back - w).abs().max() < (x.float() - w).abs().max()
     w16 = (w.view(torch.int32) & -256).view(torch.float32)    # 16 significant bits
-    x16, e16 = A.split_master(w16)
+    x16, e16 = split_master(w16)
     # exact unless clamped, or x rounded up to the next power of two (its unit is then twice w's)
     exact = (e16.abs() < 127) & (torch.frexp(x16.float())[1] == torch.frexp(w16)[1])
     assert exact.float().mean() > 0.97
-    assert torch.equal(A.join_master(x16, e16)[exact], w16[exact])
+    assert torch.equal(join_master(x16, e16)[exact], w16[exact])
 
 
 def _bf16_twins(dtype=torch.bfloat16, **kw):
@@ -1673,12 +1689,12 @@ def test_kernel_bf16_sr_write_equals_reference_given_the_same_bits():
     (torch.bfloat16, torch.bfloat16, "rtn", True), (torch.float16, torch.float32, "rtn", False)],
     ids=["bf16-fp32grad", "bf16-sr", "bf16-master24", "fp16"])
 def test_fp32_state_kernel_equals_reference(dtype, gdtype, rule, corr):
-    """_adamw_kernel (FP32 moments, 16-bit parameters; three tensors, one of them over two
+    """adamw_fp32_kernel (FP32 moments, 16-bit parameters; three tensors, one of them over two
     programs with a partial last one) gives adamw_step_torch's weights, moments and
     param_correction bit for bit over 3 steps, given the same SR uniforms; with its own Philox
     bits the SR write is within one BF16 ulp of RTN and differs from it in some weights."""
     gen = torch.Generator().manual_seed(41)
-    shapes = [(5,), (33, 40), (A.ADAMW_BLOCK + 300,)]
+    shapes = [(5,), (33, 40), (ADAMW_BLOCK + 300,)]
     init = [(torch.randn(s, generator=gen) * 0.1).to(dtype) for s in shapes]
     m0 = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
     v0 = [torch.rand(s, generator=gen) * 1e-5 for s in shapes]
@@ -1699,8 +1715,8 @@ def test_fp32_state_kernel_equals_reference(dtype, gdtype, rule, corr):
             b.grad = a.grad.clone()
         with torch.no_grad():
             for a, st, u in zip(ref, rst, us):
-                A.adamw_step_torch(a, a.grad, st, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, rule, 0, u if rule == "sr" else None)
-            A.adamw_step_triton([(b, st, j + 1) for j, (b, st) in enumerate(zip(ker, kst))], 1e-2, 0.9, 0.95,
+                adamw_step_torch(a, a.grad, st, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, rule, 0, u if rule == "sr" else None)
+            adamw_step_triton([(b, st, j + 1) for j, (b, st) in enumerate(zip(ker, kst))], 1e-2, 0.9, 0.95,
                                 1e-8, 0.1, t, rule, 5, {}, us if rule == "sr" else None)
         for a, b, sa, sb in zip(ref, ker, rst, kst):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (t, tuple(a.shape))
@@ -1710,8 +1726,8 @@ def test_fp32_state_kernel_equals_reference(dtype, gdtype, rule, corr):
         for a, b in zip(sr, rtn):
             a.grad = b.grad = torch.randn(a.shape, generator=gen).to(gdtype)
         with torch.no_grad():
-            A.adamw_step_triton([(p, st, 1) for p, st in zip(sr, sst)], 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, "sr", 5, {})
-            A.adamw_step_triton([(p, st, 1) for p, st in zip(rtn, rst)], 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, "rtn", 5, {})
+            adamw_step_triton([(p, st, 1) for p, st in zip(sr, sst)], 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, "sr", 5, {})
+            adamw_step_triton([(p, st, 1) for p, st in zip(rtn, rst)], 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, "rtn", 5, {})
         d = torch.cat([(a.view(torch.int16).int() - b.view(torch.int16).int()).abs().flatten() for a, b in zip(sr, rtn)])
         assert d.max() == 1 and 0.05 < (d > 0).float().mean() < 0.95
 
@@ -1734,7 +1750,7 @@ def test_bf16_master_weights_track_fp32_far_better_than_rtn():
         for gr in grads:
             p.grad = gr.to(dtype)
             o.step()
-        out[name] = A.read_param(p, o.state[p].get("param_correction")) - w0.to(dtype).float()
+        out[name] = read_param(p, o.state[p].get("param_correction")) - w0.to(dtype).float()
     err = {k: ((out[k] - out["fp32"]).norm() / out["fp32"].norm()).item() for k in ("rtn", "sr", "mw24")}
     assert err["rtn"] > 0.9 and err["sr"] < 0.5 and err["mw24"] < 0.06, err
     assert abs((out["sr"] - out["fp32"]).mean()) < 5 * 0.06 / 4096 ** 0.5
@@ -1783,7 +1799,7 @@ def test_bf16_options_state_dict_nbytes_and_errors():
     for _ in range(20):
         b.grad = torch.ones(100).bfloat16()
         ob.step()
-    moved = A.read_param(b, ob.state[b]["param_correction"]) - b0
+    moved = read_param(b, ob.state[b]["param_correction"]) - b0
     assert torch.allclose(moved, torch.full((100,), -20e-3), rtol=0.1)   # RTN alone: 0 (< ulp/2)
 
 
@@ -1793,7 +1809,7 @@ def test_bf16_options_state_dict_nbytes_and_errors():
 def test_gpu_16bit_params_bit_identical_to_reference():
     """On CUDA the step with BF16 / FP16 parameters (RTN presets, the 24-bit master weight) gives
     the CPU reference's weights, states and param_correction bit for bit over 4 steps, the
-    4-bit-state tensors (fused 4-bit kernel) and the FP32-state ones (_adamw_kernel) alike; FP32
+    4-bit-state tensors (fused 4-bit kernel) and the FP32-state ones (adamw_fp32_kernel) alike; FP32
     parameters with FP32 states (torch's fused AdamW) are within 1e-5 relative; param_rounding='sr'
     keeps every weight within one BF16 ulp of the RTN write."""
     gen = torch.Generator().manual_seed(40)
@@ -1846,7 +1862,7 @@ def test_step_plan_is_rebuilt_on_every_change_and_matches_an_uncached_step(monke
     # X keeps its plan; Y drops it before each step (every step then takes the full path, as a
     # fresh optimizer's first step does). The FP32-state tensors take the fused-AdamW branch
     # (torch's fused AdamW runs on CPU too), whose flat BF16 copy the plan keeps views of.
-    monkeypatch.setattr(A, "_FUSED_ADAMW_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(A, "FUSED_ADAMW_DEVICES", ("cuda", "cpu"))
     gen = torch.Generator().manual_seed(0)
     shapes = [(32, 128), (4096,), (96,), (8, 8)]
     init = [torch.randn(s, generator=gen) for s in shapes]
@@ -1912,7 +1928,7 @@ def test_step_plan_is_rebuilt_on_every_change_and_matches_an_uncached_step(monke
 # capturable=True: step counters and lr on the device, the step as a CUDA graph
 
 def test_capturable_step_equals_host_step(monkeypatch):
-    """capturable=True (kernels read t and lr from device memory, _bias_table) gives the weights
+    """capturable=True (kernels read t and lr from device memory, capturable_bias_table) gives the weights
     and states of capturable=False bit for bit over 4 steps with a changing lr, gradients that
     move and one that becomes None; its step counters are float32 tensors, and a state_dict goes
     both ways (the next steps still equal)."""
@@ -1953,15 +1969,15 @@ def test_capturable_step_equals_host_step(monkeypatch):
 
 
 def test_bias_table_rows_are_the_host_values_until_both_reach_one():
-    """_bias_table row t holds (1 - b1^t, 1/sqrt(1 - b2^t)) as the host computes them, row 0 the
+    """capturable_bias_table row t holds (1 - b1^t, 1/sqrt(1 - b2^t)) as the host computes them, row 0 the
     weight decay, and its last row is the first where both are exactly 1."""
-    tab = A._bias_table(0.9, 0.95, 0.1)
+    tab = capturable_bias_table(0.9, 0.95, 0.1)
     assert tab[0].tolist() == [0.1, 0.0] and tab[-1].tolist() == [1.0, 1.0]
     for t in (1, 2, 17, tab.shape[0] - 2):
         assert tab[t].tolist() == [1 - 0.9 ** t, 1 / math.sqrt(1 - 0.95 ** t)]
     assert tab[-2].tolist() != [1.0, 1.0] and 1 - 0.95 ** (tab.shape[0] - 1) == 1.0
     with pytest.raises(ValueError, match="too close to 1"):
-        A._bias_table(0.9, 1 - 1e-9, 0.0)
+        capturable_bias_table(0.9, 1 - 1e-9, 0.0)
 
 
 def test_state_follows_parameter_casts_and_gradient_dtypes(monkeypatch):
@@ -1987,7 +2003,7 @@ def test_state_follows_parameter_casts_and_gradient_dtypes(monkeypatch):
         o = A.AdamW4bit([q], impl=impl, preset="torchao", master_weight_bits=24, lr=1e-2)
         q.grad = torch.randn(64, 64, generator=gen).bfloat16()
         o.step()
-        master = A.read_param(q, o.state[q]["param_correction"])
+        master = read_param(q, o.state[q]["param_correction"])
         q.data = q.data.float()
         o.param_groups[0]["lr"] = 0.0
         for _ in range(2):
@@ -2233,7 +2249,7 @@ def eq3_float64(w, r, b_t):
     """Float64 autograd reference of eq. 3 with max_32 treated as a constant (eq. 4)."""
     m, n = w.shape
     tmax = g._tile_max_torch(w.detach()).double()
-    scale = g._broadcast_tiles(tmax * torch.exp2(1 - b_t), m, n)
+    scale = g.broadcast_tiles(tmax * torch.exp2(1 - b_t), m, n)
     return w + r.double() * scale
 
 
@@ -2394,7 +2410,7 @@ def test_apply_kernel_bitexact(fused):
             packed = g._generate_torch(m, n, seed, "gaussws")
             for out in (torch.bfloat16, torch.float32):
                 ref = g._apply_torch(w, packed, pow2, "gaussws", out)
-                ker = g._apply_triton(w, None if fused else packed, pow2, seed, "gaussws", out, fused)
+                ker = g.apply_triton(w, None if fused else packed, pow2, seed, "gaussws", out, fused)
                 assert torch.equal(ref[0], ker[0]) and torch.equal(ref[1], ker[1]), (m, n, wdtype, out)
             assert torch.equal(g.tile_max(w, impl="triton"), g.tile_max(w, impl="torch"))
 
@@ -2410,7 +2426,7 @@ def test_diffq_apply_kernel():
         assert torch.equal(ta, tb)
         # a GPU may fuse w + R·s into one FMA: then results differ by the rounding of R·s (fp32)
         # plus one BF16 rounding of the result
-        rs = g._broadcast_tiles(ta * torch.exp2(1 - bt), m, n) * noise.float().abs()
+        rs = g.broadcast_tiles(ta * torch.exp2(1 - bt), m, n) * noise.float().abs()
         assert ((a.float() - b.float()).abs() <= a.float().abs() * 2 ** -7 + rs * 2 ** -23).all()
 
 
@@ -2444,7 +2460,7 @@ def test_w_hat_minus_w_is_r_times_scale():
     bt = 3 + 5 * torch.rand(g.tile_grid(m, n))
     packed = g.generate_noise((m, n), 12)
     r = g.unpack_noise(packed, n).float()
-    scale = g._broadcast_tiles(g.tile_max(w) * torch.exp2(1 - bt), m, n)
+    scale = g.broadcast_tiles(g.tile_max(w) * torch.exp2(1 - bt), m, n)
     exact = w + r * scale
     w32, _ = g.apply_noise(w, packed, bt, out_dtype=torch.float32)
     assert torch.equal(w32, exact)
@@ -2465,7 +2481,7 @@ def test_max_pqn_at_bt4():
     r = g.unpack_noise(packed, n)
     w_hat, t = g.apply_noise(w, packed, torch.full((8, 8), 4.0), out_dtype=torch.float32)
     assert torch.equal(t, tmax)
-    pqn = (w_hat - w) / g._broadcast_tiles(tmax, m, n)
+    pqn = (w_hat - w) / g.broadcast_tiles(tmax, m, n)
     off = torch.ones(m, n, dtype=torch.bool)
     off[::32, ::32] = False
     assert torch.equal(pqn[off], r[off].float() * 0.125)
@@ -2531,7 +2547,7 @@ def test_bt_grad_finite_differences():
 def test_backward_regenerates_identical_r(monkeypatch, impl, memory):
     """Every R generated for one call (forward, backward, recompute) is bit-identical."""
     seen = []
-    for name in ("_generate_torch", "_generate_triton"):
+    for name in ("_generate_torch", "generate_triton"):
         orig = getattr(g, name)
 
         def spy(*a, _orig=orig, **k):
@@ -2684,7 +2700,7 @@ def test_bits_grad_of_the_grad_kernel_is_autograds_bit_for_bit(impl, fused):
             dw, db = g._grad_torch(gg, packed, tmax, "gaussws", torch.float32, (live,) + bits[1:])
         else:
             r = None if fused else packed
-            w_hat, tmax, live = g._apply_triton(w, r, None, seed, "gaussws", torch.bfloat16, fused,
+            w_hat, tmax, live = g.apply_triton(w, r, None, seed, "gaussws", torch.bfloat16, fused,
                                                 bits=(b.contiguous(), b_target_, b_scale))
             ref = g._pow2_live_torch(b_t, pow2)
             assert torch.equal(live != 0, ref != 0)                        # the clamp mask, ends included
@@ -2695,8 +2711,8 @@ def test_bits_grad_of_the_grad_kernel_is_autograds_bit_for_bit(impl, fused):
             # w_hat as the reference makes it from the kernel's own 2^(1−b_t)
             own = torch.where(live != 0, live, pow2)
             assert torch.equal(w_hat, g._apply_torch(w, packed, own, "gaussws", torch.bfloat16)[0])
-            dw0, dpow2 = g._grad_triton(gg, r, tmax, seed, "gaussws", torch.float32, fused)
-            dw, db = g._grad_triton(gg, r, tmax, seed, "gaussws", torch.float32, fused, bits=(live,) + bits[1:])
+            dw0, dpow2 = g.grad_triton(gg, r, tmax, seed, "gaussws", torch.float32, fused)
+            dw, db = g.grad_triton(gg, r, tmax, seed, "gaussws", torch.float32, fused, bits=(live,) + bits[1:])
         leaf = b.clone().requires_grad_()
         g._pow2(leaf if b_init is None else g._bitwidth(leaf, b_init, b_target)).backward(dpow2)
         same = _same_bits_but_zero_sign(db, leaf.grad)
@@ -3259,7 +3275,7 @@ def test_bt_clamped_in_sampling_with_eq4_inside_and_zero_grad_outside():
     r = g.unpack_noise(g.generate_noise((m, n), seed), n).double()
     tmax = g._tile_max_torch(w).double()
     b_eff = bt_raw.double().clamp(1, 24)
-    ref = w.double() + r * g._broadcast_tiles(tmax * torch.exp2(1 - b_eff), m, n)   # eq. 3, clamped b_t
+    ref = w.double() + r * g.broadcast_tiles(tmax * torch.exp2(1 - b_eff), m, n)   # eq. 3, clamped b_t
     assert torch.allclose(w_hat.double(), ref, rtol=1e-6, atol=1e-6)
     tsum = F.pad(G.double() * r, (0, -n % 32, 0, -m % 32)).view(3, 32, 2, 32).sum(dim=(1, 3))
     eq4 = -math.log(2) * tmax * torch.exp2(1 - b_eff) * tsum
@@ -3903,11 +3919,11 @@ def test_int_seed_is_the_tensor_seed_and_device_seeds_are_cached():
         w_hat.square().sum().backward()
         out.append((w_hat.detach(), w.grad.clone(), bt.grad.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*out))
-    assert torch.equal(g._seed_tensor(9, "cpu"), torch.tensor([9, 0]))
-    a = g._seed_tensor(2 ** 63 - 1, "meta")
-    assert a is g._seed_tensor(2 ** 63 - 1, "meta") and a.dtype == torch.int64 and a.shape == (2,)
+    assert torch.equal(g.seed_tensor(9, "cpu"), torch.tensor([9, 0]))
+    a = g.seed_tensor(2 ** 63 - 1, "meta")
+    assert a is g.seed_tensor(2 ** 63 - 1, "meta") and a.dtype == torch.int64 and a.shape == (2,)
     for s in range(g._SEED_CACHE_SIZE + 3):
-        g._seed_tensor(s, "meta")
+        g.seed_tensor(s, "meta")
     assert len(g._SEED_CACHE) <= g._SEED_CACHE_SIZE
     assert (torch.device("meta"), 2 ** 63 - 1) not in g._SEED_CACHE    # the oldest went first
 
@@ -4125,31 +4141,31 @@ def test_gpu_noise_kernels_equal_reference(m, n):
     dev = "cuda"
     seed = torch.tensor([0x1234_5678_9ABC, 17], device=dev)
     ref = g._generate_torch(m, n, seed, "gaussws")
-    ker = g._generate_triton(m, n, seed, "gaussws")
+    ker = g.generate_triton(m, n, seed, "gaussws")
     assert torch.equal(ref, ker), f"packed R differs at {m}x{n}"
     w = torch.randn(m, n, device=dev)
     bt = 3 + 5 * torch.rand(g.tile_grid(m, n), device=dev)
     pow2 = torch.exp2(1 - bt)
     wr, tr = g._apply_torch(w, ref, pow2, "gaussws", BF16)
-    wk, tk = g._apply_triton(w, ker, pow2, seed, "gaussws", BF16, False)
-    wf, tf = g._apply_triton(w, None, pow2, seed, "gaussws", BF16, True)
+    wk, tk = g.apply_triton(w, ker, pow2, seed, "gaussws", BF16, False)
+    wf, tf = g.apply_triton(w, None, pow2, seed, "gaussws", BF16, True)
     assert torch.equal(wr, wk) and torch.equal(tr, tk), f"apply differs at {m}x{n}"
     assert torch.equal(wr, wf) and torch.equal(tr, tf), f"fused apply differs at {m}x{n}"
     gg = torch.randn(m, n, device=dev).to(BF16)
     dwr, dpr = g._grad_torch(gg, ref, tr, "gaussws", torch.float32)
-    dwk, dpk = g._grad_triton(gg, ker, tr, seed, "gaussws", torch.float32, False)
-    dwf, dpf = g._grad_triton(gg, None, tr, seed, "gaussws", torch.float32, True)
+    dwk, dpk = g.grad_triton(gg, ker, tr, seed, "gaussws", torch.float32, False)
+    dwf, dpf = g.grad_triton(gg, None, tr, seed, "gaussws", torch.float32, True)
     bound = 1e-5 * (tr * 1024).max().item() + 1e-6
     assert torch.equal(dwr, dwk) and torch.equal(dwr, dwf)
     assert (dpr - dpk).abs().max().item() <= bound and (dpr - dpf).abs().max().item() <= bound
     qr = g._generate_torch(m, n, seed, "diffq")
-    qk = g._generate_triton(m, n, seed, "diffq")
+    qk = g.generate_triton(m, n, seed, "diffq")
     assert torch.equal(qr, qk), "diffq noise differs"
     a, _ = g._apply_torch(w, qr, pow2, "diffq", BF16)
-    b, _ = g._apply_triton(w, qk, pow2, seed, "diffq", BF16, False)
+    b, _ = g.apply_triton(w, qk, pow2, seed, "diffq", BF16, False)
     # the GPU may fuse w + R·s into one FMA: differences of one fp32 rounding of R·s plus one
     # BF16 rounding of the result are allowed
-    rs = g._broadcast_tiles(tr * pow2, m, n) * qr.float().abs()
+    rs = g.broadcast_tiles(tr * pow2, m, n) * qr.float().abs()
     bound = a.float().abs() * 2.0 ** -7 + rs * 2.0 ** -23
     assert ((a.float() - b.float()).abs() <= bound).all(), "diffq apply off by more than the FMA bound"
 
@@ -4162,11 +4178,11 @@ def test_gpu_noise_chi_square_67m_draws():
     reject the rounded normal law (p < 1e-12), so the test has power."""
     seed = torch.tensor([0x1234_5678_9ABC, 17], device="cuda")
     m = n = 8192
-    r = g.unpack_noise(g._generate_triton(m, n, seed, "gaussws"), n)
+    r = g.unpack_noise(g.generate_triton(m, n, seed, "gaussws"), n)
     x = chi2_stat(r, g.NOISE_PROBS)
     assert chi2_sf(x, 4) > 1e-6, x
     assert chi2_sf(chi2_stat(r, rounded_normal_probs()), 4) < 1e-12
-    rb = g.unpack_noise(g._generate_triton(m, n, seed, "bm"), n).clamp(-3, 3)
+    rb = g.unpack_noise(g.generate_triton(m, n, seed, "bm"), n).clamp(-3, 3)
     phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))
     probs = {k: phi(2 * k + 1) - phi(2 * k - 1) for k in range(-2, 3)}
     probs[-3], probs[3] = phi(-5), 1 - phi(5)
@@ -4615,15 +4631,15 @@ def test_explicit_gpt2_that_cannot_load_is_an_error_auto_falls_back(tmp_path, mo
     msg = str(e.value)
     assert len(msg.splitlines()) == 1 and msg.startswith("--tokenizer gpt2: cannot load")
     assert "ConnectionError: no network" in msg and "TIKTOKEN_CACHE_DIR" in msg and "--tokenizer byte" in msg
-    with pytest.raises(train.RunError, match="^--tokenizer gpt2: cannot load"):
+    with pytest.raises(RunError, match="^--tokenizer gpt2: cannot load"):
         train.main(["--preset", "nano", "--dataset", str(tmp_path / "a.txt"), "--data_dir", str(tmp_path / "d"),
                     "--tokenizer", "gpt2", "--no-plot", "--out_dir", str(tmp_path / "o")])
     assert not os.path.exists(tmp_path / "d")
     capsys.readouterr()
     assert datamod.get_tokenizer("auto").name == "byte"           # the default may fall back, and says so
     assert "falling back to the byte tokenizer" in capsys.readouterr().err
-    p = train.build_parser()
-    args = train.resolve_args(p.parse_args(["--preset", "nano"]), p, cuda=True)   # auto = gpt2 on CUDA
+    p = build_parser()
+    args = resolve_args(p.parse_args(["--preset", "nano"]), p, cuda=True)   # auto = gpt2 on CUDA
     assert args.tokenizer == "byte" and "falling back" in capsys.readouterr().err
 
 
@@ -4695,14 +4711,14 @@ def test_bad_flags_one_line_error(flags, words, capsys):
 
 
 def test_batch_larger_than_data(corpus, tmp_path):
-    with pytest.raises(train.RunError, match="--batch_size"):
+    with pytest.raises(RunError, match="--batch_size"):
         train.main(base_args(corpus, tmp_path / "o", "--batch_size", "5000", "--max_iters", "2"))
 
 
 def test_block_size_beyond_the_data_is_an_error_and_compile_is_announced(corpus, tmp_path, capsys, monkeypatch):
     folder = datamod.prepare(corpus[0], "byte", data_dir=corpus[1], verbose=False)
     longest = datamod.load_meta(folder)["val_tokens"] - 1          # one window of the val split
-    with pytest.raises(train.RunError, match=f"^--block_size 100000: .* use --block_size <= {longest} or more data$"):
+    with pytest.raises(RunError, match=f"^--block_size 100000: .* use --block_size <= {longest} or more data$"):
         train.main(base_args(corpus, tmp_path / "o", "--block_size", "100000", "--max_iters", "2"))
     capsys.readouterr()
     monkeypatch.setattr(torch, "compile", lambda model, **k: model)  # the announcement, not the compile
@@ -4743,14 +4759,14 @@ def test_resume_is_bit_identical(corpus, tmp_path, method, optim):
 def test_resume_refuses_other_config_and_corrupt_file(corpus, tmp_path):
     args = base_args(corpus, tmp_path / "o", "--max_iters", "4", "--eval_interval", "2")
     train.main(args)
-    with pytest.raises(train.RunError, match=r"--lr 0\.003 \(checkpoint\) vs 0\.001"):
+    with pytest.raises(RunError, match=r"--lr 0\.003 \(checkpoint\) vs 0\.001"):
         train.main(args + ["--lr", "1e-3", "--resume"])
     bad = tmp_path / "broken.pt"
     raw = (tmp_path / "o" / "ckpt.pt").read_bytes()
     bad.write_bytes(raw[: len(raw) // 2])
-    with pytest.raises(train.RunError, match="corrupt or truncated"):
+    with pytest.raises(RunError, match="corrupt or truncated"):
         train.main(args + ["--resume", str(bad)])
-    with pytest.raises(train.RunError, match="no checkpoint"):
+    with pytest.raises(RunError, match="no checkpoint"):
         train.main(args + ["--resume", str(tmp_path / "missing.pt")])
 
 
@@ -4768,7 +4784,7 @@ def test_nan_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, monkeypatch)
 
     monkeypatch.setattr(GPT, "forward", forward)
     out = tmp_path / "o"
-    with pytest.raises(train.RunError, match=r"step 7: training diverged.*step 5\) is left intact"):
+    with pytest.raises(RunError, match=r"step 7: training diverged.*step 5\) is left intact"):
         train.main(base_args(corpus, out, "--max_iters", "20", "--eval_interval", "5"))
     ckpt = torch.load(out / "ckpt.pt", weights_only=True)
     assert ckpt["iter_num"] == 5
@@ -4779,7 +4795,7 @@ def test_nan_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, monkeypatch)
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
-    train.save_checkpoint(path, {"format": train.CKPT_FORMAT, "x": torch.arange(5)})
+    save_checkpoint(path, {"format": CKPT_FORMAT, "x": torch.arange(5)})
     before = open(path, "rb").read()
 
     def crashing_save(obj, f):
@@ -4788,9 +4804,9 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crashing_save)
     with pytest.raises(OSError):
-        train.save_checkpoint(path, {"format": train.CKPT_FORMAT, "x": torch.arange(9)})
+        save_checkpoint(path, {"format": CKPT_FORMAT, "x": torch.arange(9)})
     assert open(path, "rb").read() == before
-    assert torch.equal(train.load_checkpoint(path)["x"], torch.arange(5))
+    assert torch.equal(load_checkpoint(path)["x"], torch.arange(5))
 
 
 def test_lm_head_switch_signalled_at_90_percent(corpus, tmp_path, monkeypatch):
@@ -4847,7 +4863,7 @@ def test_adam_mini_missing_or_runs(corpus, tmp_path):
     try:
         import adam_mini  # noqa: F401
     except ImportError:
-        with pytest.raises(train.RunError, match="pip install adam-mini"):
+        with pytest.raises(RunError, match="pip install adam-mini"):
             train.main(base_args(corpus, tmp_path / "o", "--optim", "adam-mini", "--max_iters", "2"))
         return
     s = train.main(base_args(corpus, tmp_path / "o", "--optim", "adam-mini", "--max_iters", "20",
@@ -4884,7 +4900,7 @@ def test_ddp_two_processes_match_one_process_with_accumulation(corpus, tmp_path,
 def test_resume_with_another_max_tokens_is_refused(corpus, tmp_path):
     args = base_args(corpus, tmp_path / "o", "--max_iters", "2", "--eval_interval", "2")
     train.main(args + ["--max_tokens", "5000"])
-    with pytest.raises(train.RunError, match=r"--max_tokens 5000 \(checkpoint\) vs None"):
+    with pytest.raises(RunError, match=r"--max_tokens 5000 \(checkpoint\) vs None"):
         train.main(args + ["--resume"])
 
 
@@ -4935,7 +4951,7 @@ def test_bad_flags_fail_before_data_or_model(flags, words, capsys, monkeypatch, 
 
 
 def test_flags_the_run_does_not_read_are_named_in_one_line(capsys):
-    p = train.build_parser()
+    p = build_parser()
     for flags, said in ((["--method", "bf16", "--b_init", "8", "--parts", "qkv"],
                          "note: not used by this run: --parts qkv (with --method bf16), --b_init 8 (with --method bf16)"),
                         (["--schedule", "cosine", "--cooldown_frac", "0.2"],
@@ -4943,26 +4959,26 @@ def test_flags_the_run_does_not_read_are_named_in_one_line(capsys):
                         (["--method", "gaussws", "--b_init", "8", "--min_lr_frac", "0.2"],
                          "note: not used by this run: --min_lr_frac 0.2 (with --schedule wsd)"),
                         (["--method", "bf16", "--schedule", "cosine", "--min_lr_frac", "0.2"], "")):
-        train.resolve_args(p.parse_args(["--preset", "nano", *flags]), p, cuda=False)
+        resolve_args(p.parse_args(["--preset", "nano", *flags]), p, cuda=False)
         assert capsys.readouterr().out.strip() == said, flags
 
 
 def test_edge_flag_values_are_accepted():
-    p = train.build_parser()
+    p = build_parser()
     args = p.parse_args(["--preset", "nano", "--beta1", "0", "--grad_clip", "0", "--warmup_frac", "0",
                          "--cooldown_frac", "1", "--min_lr_frac", "1", "--b_init", "24", "--b_target", "1",
                          "--bits_wd", "0", "--weight_decay", "0", "--eval_windows", "0",
                          "--max_iters", "7", "--stop_after", "7"])
-    train.resolve_args(args, p, cuda=False)
+    resolve_args(args, p, cuda=False)
     assert (args.max_iters, args.stop_after, args.eval_windows) == (7, 7, 0)
     args = p.parse_args(["--preset", "nano", "--tokens_per_param", "0.5"])
-    train.resolve_args(args, p, cuda=False)
+    resolve_args(args, p, cuda=False)
     assert args.max_iters is None        # set from the parameter count once the model exists
     for schedule in ("cosine", "constant"):  # --cooldown_frac is WSD's: not summed with the warmup there
-        train.resolve_args(p.parse_args(["--preset", "nano", "--schedule", schedule, "--warmup_frac", "0.95"]), p,
+        resolve_args(p.parse_args(["--preset", "nano", "--schedule", schedule, "--warmup_frac", "0.95"]), p,
                            cuda=False)
     args = p.parse_args(["--preset", "nano"])
-    train.resolve_args(args, p, cuda=False)
+    resolve_args(args, p, cuda=False)
     assert args.max_iters == 300 and args.eval_windows is None   # CPU default; windows capped later
 
 
@@ -4974,7 +4990,7 @@ def test_eval_windows_limited_by_the_val_split(tmp_path, capsys):
     n_val = int(len(text.encode("utf-8")) * 0.1)
     fit = (n_val - 1) // 64                       # non-overlapping windows of the nano block (64)
     assert fit < 64                               # so the CPU default of 64 does not fit
-    with pytest.raises(train.RunError, match=f"--eval_windows {fit + 1}: .* at most {fit} .*<= {fit}"):
+    with pytest.raises(RunError, match=f"--eval_windows {fit + 1}: .* at most {fit} .*<= {fit}"):
         train.main(common + ["--out_dir", str(tmp_path / "a"), "--eval_windows", str(fit + 1)])
     capsys.readouterr()
     s = train.main(common + ["--out_dir", str(tmp_path / "b")])   # auto: capped, with a message
@@ -4985,7 +5001,7 @@ def test_eval_windows_limited_by_the_val_split(tmp_path, capsys):
 
 def test_stop_after_beyond_tokens_per_param_steps(corpus, tmp_path):
     # max_iters from --tokens_per_param is only known once the model is built
-    with pytest.raises(train.RunError, match=r"--stop_after 1000: must be <= max_iters \d+ \(from --tokens_per_param"):
+    with pytest.raises(RunError, match=r"--stop_after 1000: must be <= max_iters \d+ \(from --tokens_per_param"):
         train.main(base_args(corpus, tmp_path / "o", "--tokens_per_param", "0.01", "--stop_after", "1000"))
 
 
@@ -5037,22 +5053,22 @@ class _NotATensor:
 
 def test_unreadable_checkpoint_is_one_clear_line(tmp_path):
     good = tmp_path / "good.pt"
-    train.save_checkpoint(str(good), {"format": train.CKPT_FORMAT, "x": torch.arange(1000)})
+    save_checkpoint(str(good), {"format": CKPT_FORMAT, "x": torch.arange(1000)})
     # (where the cut lands decides which error torch.load gives; each must come out as one line)
     raw = good.read_bytes()
     (tmp_path / "half.pt").write_bytes(raw[: len(raw) // 2])
     (tmp_path / "empty.pt").write_bytes(b"")
-    torch.save({"format": train.CKPT_FORMAT, "x": _NotATensor()}, tmp_path / "pickled.pt")
+    torch.save({"format": CKPT_FORMAT, "x": _NotATensor()}, tmp_path / "pickled.pt")
     for name, reason in (("half.pt", "?): "), ("empty.pt", "the file is empty"), ("pickled.pt", "_NotATensor")):
         path = str(tmp_path / name)
-        with pytest.raises(train.RunError) as e:
-            train.load_checkpoint(path)
+        with pytest.raises(RunError) as e:
+            load_checkpoint(path)
         msg = str(e.value)
         assert len(msg.splitlines()) == 1 and path in msg and "corrupt or truncated" in msg and reason in msg
         assert "weights_only" not in msg and "Weights only load failed" not in msg
     (tmp_path / "log.jsonl").write_text('{"type": "eval"}\n')     # a run's log given for its checkpoint
-    with pytest.raises(train.RunError, match=r"log.jsonl is not a checkpoint \(not a file torch.save writes\)"):
-        train.load_checkpoint(str(tmp_path / "log.jsonl"))
+    with pytest.raises(RunError, match=r"log.jsonl is not a checkpoint \(not a file torch.save writes\)"):
+        load_checkpoint(str(tmp_path / "log.jsonl"))
 
 
 def test_resume_of_a_finished_run_whose_summary_was_cut_writes_it(corpus, tmp_path):
@@ -5064,9 +5080,9 @@ def test_resume_of_a_finished_run_whose_summary_was_cut_writes_it(corpus, tmp_pa
     done = train.main(args)
     raw = (out / "log.jsonl").read_bytes()
     (out / "log.jsonl").write_bytes(raw[:raw.rindex(b'{"type": "summary"') + 30] + b"\xff\xfe")
-    assert not [r for r in train.read_log(str(out / "log.jsonl")) if r["type"] == "summary"]
+    assert not [r for r in read_run_log(str(out / "log.jsonl")) if r["type"] == "summary"]
     again = train.main(args + ["--resume"])
-    log = train.read_log(str(out / "log.jsonl"))
+    log = read_run_log(str(out / "log.jsonl"))
     assert log[-1] == again and again["iters"] == 4 and again["final_val_loss"] == done["final_val_loss"]
     assert [r["type"] for r in log].count("summary") == 1
 
@@ -5075,7 +5091,7 @@ def test_a_data_dir_that_cannot_be_made_is_named(corpus, tmp_path):
     """--data_dir where no folder can be made: one line naming the flag, not a bare OSError."""
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(train.RunError, match=r"^--data_dir .*file/sub: cannot prepare the dataset there \("):
+    with pytest.raises(RunError, match=r"^--data_dir .*file/sub: cannot prepare the dataset there \("):
         train.main(base_args(corpus, tmp_path / "run", "--max_iters", "1", "--data_dir", str(blocker / "sub")))
 
 
@@ -5097,22 +5113,22 @@ def test_edited_checkpoint_that_loads_but_does_not_fit_is_one_line(corpus, tmp_p
         c = {**good, "model": dict(good["model"]), "optimizer": dict(good["optimizer"])}
         edit(c)
         torch.save(c, path)
-        with pytest.raises(train.RunError) as e:
+        with pytest.raises(RunError) as e:
             train.main(args + ["--resume"])
         msg = str(e.value)
         assert len(msg.splitlines()) == 1 and str(path) in msg and "does not fit" in msg, (edit.__name__, msg)
 
 
 def test_parts_with_spaces_read_as_apply_pqt_reads_them(corpus, tmp_path):
-    parser = train.build_parser()
+    parser = build_parser()
     args = parser.parse_args(base_args(corpus, tmp_path, "--method", "gaussws", "--parts", "qkv, out"))
-    train.resolve_args(args, parser, cuda=False)
+    resolve_args(args, parser, cuda=False)
     assert args.parts == "qkv,out"
 
 
 def test_binary_file_in_train_py_is_a_one_line_error(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\x00" * 5000)
-    with pytest.raises(train.RunError, match="weights.bin: not a text file"):
+    with pytest.raises(RunError, match="weights.bin: not a text file"):
         train.main(["--preset", "nano", "--dataset", str(tmp_path / "weights.bin"), "--data_dir",
                     str(tmp_path / "d"), "--tokenizer", "byte", "--no-plot", "--out_dir", str(tmp_path / "o")])
 
@@ -5136,8 +5152,8 @@ def test_validation_tail_is_announced_and_documented(tmp_path, capsys):
 
 
 def _optimizer(argv):
-    p = train.build_parser()
-    a = train.resolve_args(p.parse_args(argv), p, False)
+    p = build_parser()
+    a = resolve_args(p.parse_args(argv), p, False)
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.zeros(64, 128))
     model.lm_head = torch.nn.Linear(128, 4096, bias=False)
@@ -5174,16 +5190,16 @@ def test_v_flags_are_in_the_run_config_for_resume(corpus, tmp_path, capsys):
     a = nano_args(corpus, "--optim", "zipsr", "--v_rounding", "state-rtn", "--max_iters", "2", "--no-plot",
                   "--out_dir", str(tmp_path))
     train.main(a)
-    lr = train.DEFAULT_LR["nano"]
+    lr = DEFAULT_LR["nano"]
     assert f"optimizer zipsr --v_rounding state-rtn, lr {lr:g} (wsd), 2 steps of" in capsys.readouterr().out
     cfg = torch.load(tmp_path / "ckpt.pt", weights_only=True)["config"]
     assert (cfg["v_rounding"], cfg["v_codebook"]) == ("state-rtn", None)
-    with pytest.raises(train.RunError, match=r"--v_rounding 'state-rtn' \(checkpoint\) vs 'state-sr' \(now\)"):
+    with pytest.raises(RunError, match=r"--v_rounding 'state-rtn' \(checkpoint\) vs 'state-sr' \(now\)"):
         train.main([x if x != "state-rtn" else "state-sr" for x in a] + ["--resume"])
 
 
 def test_cpu_threads_chosen_and_an_explicit_choice_kept(corpus, tmp_path, monkeypatch, capsys):
-    p, proc = train.build_parser(), train.Process(ddp=False, rank=0, world=1, device="cpu")
+    p, proc = build_parser(), Process(ddp=False, rank=0, world=1, device="cpu")
 
     def threads_after_setup(*flags, torch_default=4, caller=None):
         monkeypatch.setattr(train, "TORCH_THREADS", torch_default)   # as if imported on a 4-core machine
@@ -5261,12 +5277,12 @@ def test_torn_last_log_line_is_skipped_and_a_bad_middle_line_is_named(corpus, tm
     lines = (out / "log.jsonl").read_text().splitlines()
     lines[2] = lines[2][:10]                                  # not the last line: an error
     (out / "log.jsonl").write_text("\n".join(lines) + "\n")
-    with pytest.raises(train.RunError, match=r"log\.jsonl line 3 is not a JSON record \(.*\); fix or delete"):
+    with pytest.raises(RunError, match=r"log\.jsonl line 3 is not a JSON record \(.*\); fix or delete"):
         train.main(args + ["--resume"])
     for bad in ('{"type": "step"}', "[1, 2]", "3"):               # JSON, but not one of our records
         lines[2] = bad
         (out / "log.jsonl").write_text("\n".join(lines) + "\n")
-        with pytest.raises(train.RunError, match=r"log\.jsonl line 3 is not a record of this trainer"):
+        with pytest.raises(RunError, match=r"log\.jsonl line 3 is not a record of this trainer"):
             train.main(args + ["--resume"])
 
 
@@ -5284,7 +5300,7 @@ def test_unwritable_out_dir_and_full_disk_are_one_line_errors(corpus, tmp_path, 
     with monkeypatch.context() as m:
         m.setattr(datamod, "prepare", boom)
         for out, reason in bad:
-            with pytest.raises(train.RunError) as e:
+            with pytest.raises(RunError) as e:
                 train.main(base_args(corpus, out, "--max_iters", "2"))
             assert str(e.value) == f"--out_dir {out}: cannot write there ({reason})"
     # a full disk at the second checkpoint: the temp file goes, the first checkpoint stays
@@ -5298,7 +5314,7 @@ def test_unwritable_out_dir_and_full_disk_are_one_line_errors(corpus, tmp_path, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(train.RunError) as e:
+    with pytest.raises(RunError) as e:
         train.main(base_args(corpus, out, "--max_iters", "4", "--eval_interval", "2"))
     assert str(e.value) == (f"--out_dir {out}: cannot write the checkpoint for step 4 (No space left on device); "
                             f"{out / 'ckpt.pt'} (step 2) is left intact")
@@ -5378,7 +5394,7 @@ def test_fresh_run_into_a_checkpoint_needs_resume_or_overwrite(corpus, tmp_path,
     args = base_args(corpus, out, "--max_iters", "2", "--eval_interval", "2")
     train.main(args)
     before = (out / "ckpt.pt").read_bytes(), (out / "log.jsonl").read_bytes()
-    with pytest.raises(train.RunError) as e:
+    with pytest.raises(RunError) as e:
         train.main(args + ["--seed", "1"])
     assert str(e.value) == (f"--out_dir {out} holds a plain checkpoint ({out / 'ckpt.pt'}): continue that run with "
                             f"--resume, or start over with --overwrite (removes it and replaces log.jsonl)")
@@ -5416,7 +5432,7 @@ def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
     log = read_log(out)
     steps = [r for r in log if r["type"] == "step"]
     assert [r["iter"] for r in steps] == list(range(30))
-    lr = train.DEFAULT_LR["nano"]
+    lr = DEFAULT_LR["nano"]
     assert [r["lr"] for r in steps[20:]] == [train.get_lr(it, 30, lr) for it in range(20, 30)]
     assert steps[19]["lr"] < lr and steps[20]["lr"] == lr    # from the cooled-down lr back to the plateau
     assert [r["iter"] for r in log if r["type"] == "eval"] == [0, 10, 20, 30]
@@ -5425,7 +5441,7 @@ def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
     # --tokens_per_param may change as well; other flags still may not
     train.main(args + ["--tokens_per_param", "0.25", "--resume"])     # 0.25 x 34,976 params / 256 tokens: 35 steps
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 35
-    with pytest.raises(train.RunError, match="--seed 0 \\(checkpoint\\) vs 1"):
+    with pytest.raises(RunError, match="--seed 0 \\(checkpoint\\) vs 1"):
         train.main(args + ["--max_iters", "400", "--seed", "1", "--resume"])
 
 
@@ -5443,7 +5459,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_holder_is_rep
     try:
         assert parent.poll(60)
         pid = parent.recv()
-        with pytest.raises(train.RunError, match=rf"--out_dir {re.escape(str(out))} is in use by another run \(pid {pid} "):
+        with pytest.raises(RunError, match=rf"--out_dir {re.escape(str(out))} is in use by another run \(pid {pid} "):
             train.main(base_args(corpus, out, "--max_iters", "2"))
         assert not os.path.exists(out / "log.jsonl")      # the refused run wrote nothing there
     finally:
@@ -5463,7 +5479,7 @@ def test_resume_into_a_folder_holding_another_run_is_refused_unless_overwrite(co
     train.main(base_args(corpus, run1, "--max_iters", "4", "--stop_after", "2"))
     train.main(base_args(corpus, run2, "--max_iters", "4", "--stop_after", "2", "--seed", "1"))
     before = open(run2 / "log.jsonl").read(), open(run2 / "ckpt.pt", "rb").read()
-    with pytest.raises(train.RunError, match=r"holds another run's checkpoint .*--overwrite"):
+    with pytest.raises(RunError, match=r"holds another run's checkpoint .*--overwrite"):
         train.main(base_args(corpus, run2, "--max_iters", "4", "--resume", str(run1 / "ckpt.pt")))
     assert (open(run2 / "log.jsonl").read(), open(run2 / "ckpt.pt", "rb").read()) == before   # untouched
     # into a folder of its own: the continuation's log starts with the run's own records
@@ -5475,7 +5491,7 @@ def test_resume_into_a_folder_holding_another_run_is_refused_unless_overwrite(co
     train.main(base_args(corpus, run2, "--max_iters", "4", "--resume", str(run1 / "ckpt.pt"), "--overwrite"))
     numbers = lambda log: [(r["type"], r.get("iter"), r.get("loss"), r.get("val_loss")) for r in log]  # noqa: E731
     assert numbers(read_log(run2)) == numbers(own)
-    with pytest.raises(train.RunError, match="would remove the checkpoint it resumes"):
+    with pytest.raises(RunError, match="would remove the checkpoint it resumes"):
         train.main(base_args(corpus, run2, "--max_iters", "5", "--resume", str(run2 / "ckpt.pt"), "--overwrite"))
 
 
@@ -5517,7 +5533,7 @@ def test_a_block_size_whose_activations_cannot_fit_is_refused_and_byte_tokens_ar
     monkeypatch.setattr(os, "sysconf", lambda name: sizes[name])
     cpu = argparse.Namespace(device_type="cpu")
     args = argparse.Namespace(batch_size=16, block_size=100000, activation_checkpointing=False, preset="tiny")
-    with pytest.raises(train.RunError, match=r"^--block_size 100000 with --batch_size 16: one micro-batch's "
+    with pytest.raises(RunError, match=r"^--block_size 100000 with --batch_size 16: one micro-batch's "
                                              r"activations need at least 29 GiB, more than this device's 16 GiB "
                                              r"\(the preset's context is 128\); lower --block_size or --batch_size$"):
         train.check_activations_fit(args, preset_config("tiny", vocab_size=256, block_size=100000), cpu)
@@ -5562,7 +5578,7 @@ def test_a_second_signal_exits_at_once_while_a_step_runs(corpus, tmp_path):
             time.sleep(0.2)
         time.sleep(1)
         p.send_signal(signal.SIGINT)
-        time.sleep(train.Interrupts.ECHO_S + 0.5)
+        time.sleep(Interrupts.ECHO_S + 0.5)
         assert p.poll() is None                       # the first signal waits for the step boundary
         p.send_signal(signal.SIGINT)
         rc = p.wait(timeout=30)
@@ -5575,11 +5591,11 @@ def test_a_second_signal_exits_at_once_while_a_step_runs(corpus, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# train.py --fsdp (2 gloo processes through _launch, as torchrun would start them)
+# train.py --fsdp (2 gloo processes through kernel_launcher, as torchrun would start them)
 
 def _fsdp_train_py(rank, world, tmp, argv):
     # train.main ends by destroying the process group; that is left to _rank_main, after the
-    # result is written (a teardown abort must not hide a finished run, see _launch)
+    # result is written (a teardown abort must not hide a finished run, see kernel_launcher)
     import torch.distributed as dist
     destroy, dist.destroy_process_group = dist.destroy_process_group, lambda *a, **k: None
     try:
@@ -5597,10 +5613,10 @@ def test_train_fsdp_resumes_on_another_world_size_and_matches_one_process(corpus
     micro-batch."""
     args = base_args(corpus, tmp_path / "f", "--max_iters", "6", "--eval_interval", "2", "--grad_accum", "2",
                      "--optim", "zeeden", "--seed", "1")
-    _launch("_fsdp_train_py", tmp_path, 2, args + ["--fsdp", "--stop_after", "4"])
+    kernel_launcher("_fsdp_train_py", tmp_path, 2, args + ["--fsdp", "--stop_after", "4"])
     assert sorted(os.listdir(tmp_path / "f")) == ["ckpt", "log.jsonl"]
     assert json.load(open(tmp_path / "f" / "ckpt" / "train.json"))["iter_num"] == 4
-    summary = _launch("_fsdp_train_py", tmp_path, 1, args + ["--fsdp", "--resume"])[0]
+    summary = kernel_launcher("_fsdp_train_py", tmp_path, 1, args + ["--fsdp", "--resume"])[0]
     assert summary["start_iter"] == 4 and summary["iters"] == 6 and summary["world"] == 1
     plain = train.main(base_args(corpus, tmp_path / "p", *args[args.index("--max_iters"):]))
     steps = lambda d: [r["loss"] for r in read_log(d) if r["type"] == "step"]  # noqa: E731
@@ -5644,7 +5660,7 @@ def test_train_fsdp_one_rank_equals_plain_bit_for_bit(corpus, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     args = ["--max_iters", "4", "--eval_interval", "100", "--grad_accum", "2", "--method", "gaussws",
             "--optim", "fp32"]
-    _launch("_fsdp_train_py", tmp_path, 1, base_args(corpus, tmp_path / "f", *args, "--fsdp"))
+    kernel_launcher("_fsdp_train_py", tmp_path, 1, base_args(corpus, tmp_path / "f", *args, "--fsdp"))
     train.main(base_args(corpus, tmp_path / "p", *args))
     steps = lambda d: [(r["loss"], r["grad_norm"]) for r in read_log(d) if r["type"] == "step"]  # noqa: E731
     assert len(steps(tmp_path / "f")) == 4 and steps(tmp_path / "f") == steps(tmp_path / "p")
@@ -5670,7 +5686,7 @@ def _aot_eager_compile(graphs):
 def _fsdp_train_py_compiled(rank, world, tmp, argv):
     graphs = []
     torch._dynamo.reset()
-    torch.compile = _aot_eager_compile(graphs)   # a fresh process of _launch's: nothing to restore
+    torch.compile = _aot_eager_compile(graphs)   # a fresh process of kernel_launcher's: nothing to restore
     return _fsdp_train_py(rank, world, tmp, argv), graphs
 
 
@@ -5685,7 +5701,7 @@ def test_train_fsdp_compiled_one_rank_equals_plain_compiled_bit_for_bit(corpus, 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     args = ["--max_iters", "3", "--eval_interval", "100", "--eval_windows", "0", "--grad_accum", "2",
             "--method", "gaussws", "--parts", "qkv", "--optim", "zipsr", "--compile"]
-    summary, fsdp_graphs = _launch("_fsdp_train_py_compiled", tmp_path, 1,
+    summary, fsdp_graphs = kernel_launcher("_fsdp_train_py_compiled", tmp_path, 1,
                                    base_args(corpus, tmp_path / "f", *args, "--fsdp"))[0]
     plain_graphs = []
     torch._dynamo.reset()
@@ -5711,22 +5727,22 @@ def test_fsdp_checkpoint_folder_fallback_and_refusals(tmp_path):
     args = argparse.Namespace(out_dir=str(tmp_path), fsdp=True, resume="auto", overwrite=False)
     os.makedirs(tmp_path / "ckpt.old")
     os.makedirs(tmp_path / "ckpt.tmp")
-    assert train.resume_path(args) == str(tmp_path / "ckpt.old")
+    assert resume_path(args) == str(tmp_path / "ckpt.old")
     (tmp_path / "ckpt.tmp" / "train.json").write_text("{}")
-    assert train.resume_path(args) == str(tmp_path / "ckpt.tmp")
+    assert resume_path(args) == str(tmp_path / "ckpt.tmp")
     os.rmdir(tmp_path / "ckpt.old")
-    assert train.resume_path(args) == str(tmp_path / "ckpt.tmp")
-    with pytest.raises(train.RunError, match=r"no checkpoint at .*ckpt \(.*ckpt.tmp is complete: --resume .*ckpt.tmp\)"):
-        train.load_checkpoint(str(tmp_path / "ckpt"))    # an explicit --resume OUT/ckpt
-    with pytest.raises(train.RunError, match=r"holds an FSDP2 checkpoint \(.*ckpt.tmp\): continue that run with "
+    assert resume_path(args) == str(tmp_path / "ckpt.tmp")
+    with pytest.raises(RunError, match=r"no checkpoint at .*ckpt \(.*ckpt.tmp is complete: --resume .*ckpt.tmp\)"):
+        load_checkpoint(str(tmp_path / "ckpt"))    # an explicit --resume OUT/ckpt
+    with pytest.raises(RunError, match=r"holds an FSDP2 checkpoint \(.*ckpt.tmp\): continue that run with "
                                              r"--resume, or start over"):
-        train.check_out_dir(argparse.Namespace(**{**vars(args), "resume": None}), train.Process(False, 0, 1, "cpu"))
+        check_out_dir(argparse.Namespace(**{**vars(args), "resume": None}), Process(False, 0, 1, "cpu"))
     shutil.rmtree(tmp_path / "ckpt.tmp")
     os.makedirs(tmp_path / "ckpt")
-    assert train.resume_path(args) == str(tmp_path / "ckpt")
-    with pytest.raises(train.RunError, match="not a complete train.py --fsdp checkpoint folder"):
-        train.load_checkpoint(str(tmp_path / "ckpt"))
-    with pytest.raises(train.RunError, match="resume it with --fsdp"):
+    assert resume_path(args) == str(tmp_path / "ckpt")
+    with pytest.raises(RunError, match="not a complete train.py --fsdp checkpoint folder"):
+        load_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(RunError, match="resume it with --fsdp"):
         train.resume(argparse.Namespace(fsdp=False, resume=str(tmp_path / "ckpt")), {"dcp": "x"}, None, None, "cpu")
 
 
@@ -5743,7 +5759,7 @@ def test_fsdp_checkpoint_folder_fallback_and_refusals(tmp_path):
 def test_fsdp_bad_flags_one_line_error(flags, env, words, capsys, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(train, "setup_distributed", lambda args: train.Process(False, 0, 1, "cpu"))
+    monkeypatch.setattr(train, "setup_distributed", lambda args: Process(False, 0, 1, "cpu"))
     _assert_one_line_flag_error(flags, words, capsys)
 
 
@@ -5753,7 +5769,7 @@ def test_bad_flag_under_torchrun_is_printed_by_rank_0_only(capsys, monkeypatch):
     for rank, printed in (("1", ""), ("0", "train.py: error: argument --lr: invalid float value: 'x'\n")):
         monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as e:
-            train.build_parser().parse_args(["--lr", "x"])
+            build_parser().parse_args(["--lr", "x"])
         assert e.value.code == 2 and capsys.readouterr().err == printed
 
 
@@ -5765,7 +5781,7 @@ def test_stray_rank_without_torchrun_is_a_one_line_error(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit, match="RANK=0 is set but LOCAL_RANK and WORLD_SIZE not: start a distributed "
                                          "run with torchrun, or unset RANK"):
-        train.setup_distributed(argparse.Namespace(device="cpu"))
+        setup_distributed(argparse.Namespace(device="cpu"))
 
 
 def test_torchrun_with_more_ranks_than_gpus_is_a_one_line_error(monkeypatch):
@@ -5777,7 +5793,7 @@ def test_torchrun_with_more_ranks_than_gpus_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(SystemExit, match=r"LOCAL_RANK=1 but this host has 1 GPU\(s\): start torchrun with "
                                          r"--nproc_per_node at most 1, or add --device cpu"):
-        train.setup_distributed(argparse.Namespace(device="auto"))
+        setup_distributed(argparse.Namespace(device="auto"))
 
 
 def _fsdp_mesh_on_a_gpu_host(rank, world, tmp):
@@ -5785,7 +5801,7 @@ def _fsdp_mesh_on_a_gpu_host(rank, world, tmp):
     stubbed: fully_shard's default mesh follows it): the mesh types of the sharded parameters."""
     torch._C._get_accelerator = lambda: torch.device("cuda")
     model = GPT(preset_config("tiny", vocab_size=256))
-    train.shard_model(model, world, "cpu")
+    shard_model(model, world, "cpu")
     x = torch.randint(0, 256, (2, 16))
     model(x, x)[1].backward()
     return sorted({p.device_mesh.device_type for p in model.parameters()})
@@ -5794,13 +5810,13 @@ def _fsdp_mesh_on_a_gpu_host(rank, world, tmp):
 def test_fsdp_on_cpu_shards_on_a_cpu_mesh_on_a_gpu_host(tmp_path):
     """torchrun ... train.py --fsdp --device cpu on a GPU host: the ranks shard on a CPU mesh over
     their gloo group, not on fully_shard's default CUDA mesh (rank 1 of 2: cuda:1)."""
-    assert _launch("_fsdp_mesh_on_a_gpu_host", tmp_path, 2) == [["cpu"], ["cpu"]]
+    assert kernel_launcher("_fsdp_mesh_on_a_gpu_host", tmp_path, 2) == [["cpu"], ["cpu"]]
 
 
 def _as_fsdp_rank(monkeypatch, world=1):
     """train.main in this process as rank 0 of `world` under torchrun, without a process group."""
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(train, "setup_distributed", lambda args: train.Process(world > 1, 0, world, "cpu"))
+    monkeypatch.setattr(train, "setup_distributed", lambda args: Process(world > 1, 0, world, "cpu"))
     monkeypatch.setattr(train.dist, "destroy_process_group", lambda *a, **k: None)
 
 
@@ -5812,7 +5828,7 @@ def test_fresh_run_refuses_either_checkpoint_kind_and_overwrite_removes_both(cor
     args = base_args(corpus, out, "--max_iters", "2", "--eval_interval", "2")
     for name in ("ckpt", "ckpt.old", "ckpt.tmp"):
         os.makedirs(out / name)
-        with pytest.raises(train.RunError) as e:
+        with pytest.raises(RunError) as e:
             train.main(args)
         assert str(e.value).startswith(f"--out_dir {out} holds an FSDP2 checkpoint ({out / name}): continue that "
                                        f"run with torchrun --standalone --nproc_per_node N train.py <that run's "
@@ -5822,8 +5838,8 @@ def test_fresh_run_refuses_either_checkpoint_kind_and_overwrite_removes_both(cor
             f"stopped before its first checkpoint was complete): nothing to resume; start over with --overwrite")
         assert "\n" not in str(e.value) and not (out / "ckpt.pt").exists() and not (out / "log.jsonl").exists()
         if name == "ckpt.tmp":   # what --fsdp --resume then finds
-            with pytest.raises(train.RunError, match=r"no checkpoint at .*ckpt \(only .*ckpt.tmp, whose writing "):
-                train.load_checkpoint(str(out / "ckpt"))
+            with pytest.raises(RunError, match=r"no checkpoint at .*ckpt \(only .*ckpt.tmp, whose writing "):
+                load_checkpoint(str(out / "ckpt"))
         os.rmdir(out / name)
     for name in ("ckpt", "ckpt.old"):
         os.makedirs(out / name)
@@ -5831,7 +5847,7 @@ def test_fresh_run_refuses_either_checkpoint_kind_and_overwrite_removes_both(cor
     train.main(args + ["--overwrite"])
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"]
     _as_fsdp_rank(monkeypatch)   # the mirror: an --fsdp run into a folder holding ckpt.pt
-    with pytest.raises(train.RunError) as e:
+    with pytest.raises(RunError) as e:
         train.main(args + ["--fsdp"])
     assert str(e.value).startswith(f"--out_dir {out} holds a plain checkpoint ({out / 'ckpt.pt'}): continue that "
                                    f"run with python train.py <that run's flags> --resume, without --fsdp")
@@ -5848,7 +5864,7 @@ def test_resume_names_the_other_checkpoint_kind_and_takes_an_out_dir(corpus, tmp
     fsdp_only = tmp_path / "f"
     os.makedirs(fsdp_only / "ckpt")
     for resume in (["--resume"], ["--resume", str(fsdp_only)], ["--resume", str(fsdp_only / "ckpt")]):
-        with pytest.raises(train.RunError) as e:
+        with pytest.raises(RunError) as e:
             train.main(base_args(corpus, fsdp_only, *resume))
         given = "" if len(resume) == 1 else " " + re.escape(str(fsdp_only / "ckpt"))   # a given path stays
         assert re.fullmatch(f"--resume: {re.escape(str(fsdp_only))}.* an FSDP2 checkpoint.*not a plain one: resume "
@@ -5856,7 +5872,7 @@ def test_resume_names_the_other_checkpoint_kind_and_takes_an_out_dir(corpus, tmp
                             f"--resume{given} \\(N dividing its --grad_accum\\)", str(e.value))
     _as_fsdp_rank(monkeypatch)
     for resume in (["--resume"], ["--resume", str(out / "ckpt.pt")]):
-        with pytest.raises(train.RunError) as e:
+        with pytest.raises(RunError) as e:
             train.main(args + ["--fsdp", *resume])
         given = "" if len(resume) == 1 else " " + re.escape(str(out / "ckpt.pt"))
         assert re.fullmatch(f"--resume: {re.escape(str(out))}.* a plain checkpoint.*not an FSDP2 \\(--fsdp\\) one: "
@@ -5878,17 +5894,17 @@ def test_corrupt_fsdp_checkpoint_folder_is_a_one_line_error(tmp_path):
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     folder = str(tmp_path / "ckpt")
-    meta = {"format": train.CKPT_FORMAT, "iter_num": 1, "best_val_loss": 1.0, "config": {}}
+    meta = {"format": CKPT_FORMAT, "iter_num": 1, "best_val_loss": 1.0, "config": {}}
 
     def write():
         shutil.rmtree(folder, ignore_errors=True)
-        dcp.save(train.dcp_state(model, opt, {"torch": torch.get_rng_state()}), checkpoint_id=folder)
+        dcp.save(dcp_state(model, opt, {"torch": torch.get_rng_state()}), checkpoint_id=folder)
         open(os.path.join(folder, "train.json"), "w").write(json.dumps(meta))
         return os.path.join(folder, "__0_0.distcp")
 
     shard = write()
     args = argparse.Namespace(fsdp=True, resume=folder, max_iters=None)
-    assert train.resume(args, train.load_checkpoint(folder), model, opt, "cpu") == (1, 1.0)
+    assert train.resume(args, load_checkpoint(folder), model, opt, "cpu") == (1, 1.0)
     size = os.path.getsize(shard)
     for damage, words in [(lambda: os.remove(os.path.join(folder, ".metadata")), ".metadata is missing"),
                           (lambda: open(os.path.join(folder, ".metadata"), "wb").write(b"x"), ".metadata: "),
@@ -5896,29 +5912,29 @@ def test_corrupt_fsdp_checkpoint_folder_is_a_one_line_error(tmp_path):
                           (lambda: os.truncate(shard, size - 1), f"__0_0.distcp has {size - 1} bytes")]:
         shard = write()
         damage()
-        with pytest.raises(train.RunError) as e:
-            train.load_checkpoint(folder)
+        with pytest.raises(RunError) as e:
+            load_checkpoint(folder)
         assert str(e.value).startswith(f"--resume: checkpoint {folder} cannot be read (corrupt or truncated?): ")
         assert words in str(e.value) and "\n" not in str(e.value)
     shard = write()   # same size, wrong bytes: only the load itself sees it
     with open(shard, "r+b") as f:
         f.write(b"\0" * size)
-    with pytest.raises(train.RunError) as e:
-        train.resume(args, train.load_checkpoint(folder), model, opt, "cpu")
+    with pytest.raises(RunError) as e:
+        train.resume(args, load_checkpoint(folder), model, opt, "cpu")
     assert str(e.value).startswith(f"--resume: checkpoint {folder} cannot be read") and "\n" not in str(e.value)
 
 
 def test_grad_accum_not_divisible_by_the_processes(corpus, tmp_path, monkeypatch):
     _as_fsdp_rank(monkeypatch, world=2)
-    with pytest.raises(train.RunError, match="^--grad_accum 3 must be divisible by the number of processes \\(2\\)$"):
+    with pytest.raises(RunError, match="^--grad_accum 3 must be divisible by the number of processes \\(2\\)$"):
         train.main(base_args(corpus, tmp_path / "o", "--grad_accum", "3"))
     seen = []                   # without --grad_accum: one micro-batch per process
 
     def stop(args, proc):
         seen.append(args.grad_accum)
-        raise train.RunError("stop")
+        raise RunError("stop")
     monkeypatch.setattr(train, "setup_data", stop)
-    with pytest.raises(train.RunError, match="^stop$"):
+    with pytest.raises(RunError, match="^stop$"):
         train.main(base_args(corpus, tmp_path / "o"))
     assert seen == [2]
 
@@ -5934,7 +5950,7 @@ def test_resume_without_grad_accum_keeps_the_checkpoints_on_any_process_count():
     for given, said in ((None, "--grad_accum 1 (the checkpoint's) must be divisible by the number of processes (2): "
                                "resume it on a number of processes that divides 1"),
                         (3, "--grad_accum 3 must be divisible by the number of processes (2)")):
-        with pytest.raises(train.RunError) as e:
+        with pytest.raises(RunError) as e:
             train.set_grad_accum(argparse.Namespace(grad_accum=given), 2, {"config": {"grad_accum": 1}})
         assert str(e.value).startswith(said) and (given is None) == ("divides" in str(e.value)), str(e.value)
 
@@ -5942,14 +5958,14 @@ def test_resume_without_grad_accum_keeps_the_checkpoints_on_any_process_count():
 def test_resume_compares_only_the_flags_either_run_reads():
     """Two --method bf16 runs may differ in PQT flags, two cosine runs in --cooldown_frac; once
     either run reads a flag (another --method or --schedule), a difference refuses the resume."""
-    saved = dict(train.RESUME_DEFAULTS, method="bf16", b_init=8.0, parts="qkv", schedule="cosine", cooldown_frac=0.2,
+    saved = dict(RESUME_DEFAULTS, method="bf16", b_init=8.0, parts="qkv", schedule="cosine", cooldown_frac=0.2,
                  min_lr_frac=0.1, lr=1e-3)
-    train.check_resume_config(saved, dict(saved, b_init=6.0, parts="all", cooldown_frac=0.1), "ckpt.pt")
+    check_resume_config(saved, dict(saved, b_init=6.0, parts="all", cooldown_frac=0.1), "ckpt.pt")
     for change, named in ((dict(method="gaussws", b_init=6.0), ("--method", "--b_init")),
                           (dict(schedule="wsd", cooldown_frac=0.1), ("--schedule", "--cooldown_frac")),
                           (dict(min_lr_frac=0.2), ("--min_lr_frac",))):
-        with pytest.raises(train.RunError) as e:
-            train.check_resume_config(saved, dict(saved, **change), "ckpt.pt")
+        with pytest.raises(RunError) as e:
+            check_resume_config(saved, dict(saved, **change), "ckpt.pt")
         assert all(f"{n} " in str(e.value) for n in named) and "--parts" not in str(e.value), str(e.value)
 
 
@@ -6113,13 +6129,13 @@ def test_quality_runs_seed_by_seed_and_resume_from_logs_without_checkpoints(corp
     assert set(out["cast"]) == {"bf16/adamw s0", "gaussws/adamw s0", "bf16/adamw s1", "gaussws/adamw s1"}
     assert out["cast"]["gaussws/adamw s0"] == first["g"] and set(out["bitwidth"]) == {"gaussws/adamw s0",
                                                                                        "gaussws/adamw s1"}
-    assert b["bytes_per_param"] == pytest.approx(4 + b["optimizer_state_mb"] * 2 ** 20 / train.read_log(
+    assert b["bytes_per_param"] == pytest.approx(4 + b["optimizer_state_mb"] * 2 ** 20 / read_run_log(
         tmp_path / "bf16_adamw_s0" / "log.jsonl")[-1]["params"])
     # a damaged cast.json is left out with a note, not a crash; --resume with other flags is refused
     (tmp_path / "gaussws_adamw_s1" / "cast.json").write_text('{"row": ')
     again = experiments.bench_quality(args, seeds=(0, 1), out_dir=str(tmp_path), experiments=exps, resume=True)
     assert "gaussws/adamw s1" not in again["cast"] and again["experiments"] == out["experiments"]
-    with pytest.raises(train.RunError, match=r"gaussws_adamw_s0 was trained with other train.py flags "
+    with pytest.raises(RunError, match=r"gaussws_adamw_s0 was trained with other train.py flags "
                                              r"\(--max_iters 4 then, --max_iters 6 now\)"):
         experiments.bench_quality([*args, "--max_iters", "6"], seeds=(0,), out_dir=str(tmp_path),
                                   experiments={"pqt": exps["pqt"][1:]}, resume=True)
@@ -6256,7 +6272,7 @@ def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     assert share["FP8 e3m4"] == pytest.approx(bits["share_le5"])
     assert share["FP8 e3m4"] + share["FP12 e4m7"] == pytest.approx(bits["share_le9"])
     # Figure 5 data = what train.py logged for the same weights at its last eval
-    logged = [r for r in train.read_log(tmp_path / "gaussws_adamw_s0" / "log.jsonl") if r["type"] == "eval"][-1]["bits"]
+    logged = [r for r in read_run_log(tmp_path / "gaussws_adamw_s0" / "log.jsonl") if r["type"] == "eval"][-1]["bits"]
     assert list(bits["layers"]) == [k for k in logged if k != "all"] and len(bits["layers"]) == 8
     for k, v in bits["layers"].items():
         assert v["mean"] == pytest.approx(logged[k]["mean"], abs=1e-12) and v["min"] <= v["mean"] <= v["max"]
@@ -6322,7 +6338,7 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
     assert res["command"].startswith("python experiments.py quality --preset nano") and "--iters 2" in res["command"]
     assert set(res["experiments"]) == {"pqt"} and res["seeds"] == [3]
     assert set(res["experiments"]["pqt"]) == {"bf16/adamw", "gaussws/adamw", "diffq/adamw", "gaussws/adamw bits_wd 0.5"}
-    assert train.read_log(os.path.join("results", "quality_cpu_nano", "bf16_adamw_s3", "log.jsonl"))[-1]["iters"] == 2
+    assert read_run_log(os.path.join("results", "quality_cpu_nano", "bf16_adamw_s3", "log.jsonl"))[-1]["iters"] == 2
     # --resume: finished runs are read back, not trained again (their logs stay as they are)
     log = os.path.join("results", "quality_cpu_nano", "gaussws_adamw_s3", "log.jsonl")
     before = open(log).read()
@@ -6387,8 +6403,8 @@ def test_bench_train_cuda_rows_interleave_rounds_and_profile_the_last(monkeypatc
     def setup(preset, method, optim, batch, T, device, compile):
         order.append(method)
         return types.SimpleNamespace(num_params=lambda: 7), None, lambda: None
-    monkeypatch.setattr(bench_training, "_train_setup", setup)
-    monkeypatch.setattr(bench_training, "_queued_steps_ms", lambda step, n: next(times))
+    monkeypatch.setattr(bench_training, "train_setup", setup)
+    monkeypatch.setattr(bench_training, "queued_steps_ms", lambda step, n: next(times))
     monkeypatch.setattr(bench_training, "_gpu_profile", lambda step: profiled.append(order[-1]) or (float(len(profiled)), 9.0))
     for name in ("reset_peak_memory_stats", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda: None)
@@ -6428,7 +6444,7 @@ def test_bench_gpu_time_counts_kernels_not_ranges_on_the_gpu_timeline():
     events = [ev("mm_kernel", 0, 5, device_type=cuda), ev("adamw_kernel", 5, 8, device_type=cuda),
               ev("Optimizer.step#AdamW.step", 5, 8, device_type=cuda, is_user_annotation=True),
               ev("aten::mm", 0, 1)]
-    assert [e.name for e in bench_training._device_ops(events)] == ["mm_kernel", "adamw_kernel"]
+    assert [e.name for e in bench_training.device_ops(events)] == ["mm_kernel", "adamw_kernel"]
 
 
 def test_bench_table1_rows_alone(monkeypatch):
@@ -6455,7 +6471,7 @@ def test_bench_table1_rows_alone(monkeypatch):
 def test_bench_compile_blocks_compiles_each_block_and_nothing_else():
     """Table 1 with `--compile blocks`: every transformer block is compiled (one graph that all
     blocks share), the model around them runs eager."""
-    model, _, _ = bench_training._train_setup("nano-llama", "gaussws", "zipsr", 2, 16, torch.device("cpu"), "blocks")
+    model, _, _ = bench_training.train_setup("nano-llama", "gaussws", "zipsr", 2, 16, torch.device("cpu"), "blocks")
     assert all(b._compiled_call_impl is not None for b in model.blocks)
     assert all(m._compiled_call_impl is None for m in model.modules() if not isinstance(m, type(model.blocks[0]))
                and not any(m is s for b in model.blocks for s in b.modules()))
@@ -6531,7 +6547,7 @@ def test_tools_parses_each_subcommand_and_finds_what_it_calls(capsys):
             tools.main(bad)
         assert e.value.code == 2 and said in capsys.readouterr().err, bad
     assert all(callable(getattr(g, n)) for n in tools.GAUSSWS_NAMES)
-    assert all(callable(getattr(bench_training, n)) for n in ("_train_setup", "_queued_steps_ms", "_device_ops"))
+    assert all(callable(getattr(bench_training, n)) for n in ("train_setup", "queued_steps_ms", "device_ops"))
     if not torch.cuda.is_available():
         for cmd in ("kernels", "profile"):
             with pytest.raises(SystemExit, match=f"tools.py {cmd} needs a CUDA GPU"):
@@ -6623,7 +6639,7 @@ def test_readme_train_commands_each_write_their_own_out_dir():
                 argv = shlex.split(cmd)
                 if "train.py" not in argv:
                     continue
-                args = train.build_parser().parse_args(argv[argv.index("train.py") + 1:])
+                args = build_parser().parse_args(argv[argv.index("train.py") + 1:])
                 if args.resume is None:
                     assert args.out_dir not in seen, f"README: {cmd.strip()!r} reuses --out_dir {args.out_dir}"
                     seen.add(args.out_dir)

@@ -48,22 +48,13 @@ import adam4bit
 import data as datamod
 import gaussws
 from model import GPT, PRESETS, describe, preset_config
-from lowbit.in_backward import step_in_backward
-# The machinery lives in the train_*.py files; the names below are also train's own, as bench.py,
-# experiments.py, finetune_hf.py and the tests import them from here.
-from trainer.checkpoint import (CKPT_FORMAT, CKPT_NAMES, RESUME_DEFAULTS, RESUME_FREE, atomic_write,  # noqa: F401
-                              check_dcp_files, check_out_dir, check_resume_config, check_resume_kind,
-                              check_resume_target, checkpoints_in, ckpt_kind, ckpt_path, dcp_complete, dcp_state,
-                              load_checkpoint, load_dcp_meta, load_state, lock_out_dir, one_line, resume_is_done, resume_path, run_config, save_checkpoint,
-                              save_dcp_checkpoint)
-from trainer.dist import (Process, clip_grad_norm_local, fsdp_micro_step, setup_distributed, shard_model,  # noqa: F401
-                        unsharded)
-from trainer.flags import (COMPILE_MODES, DEFAULT_LR, DESCRIPTION, FOURBIT, METHODS, OPTIMS, SCHEDULES,  # noqa: F401
-                         OneLineParser, build_parser, check_fsdp_flags, check_optimizer_flags, check_range,
-                         end_iter, optimizer_overrides, parse_args, resolve_args, say_ignored_flags,
-                         tokens_per_step, unread_flags)
-from trainer.log import (Interrupts, RunLog, optimizer_state_bytes, peak_memory_mb, plot_losses, read_log,  # noqa: F401
-                       resume_command)
+from lowbit import step_in_backward
+from trainer.checkpoint import (check_out_dir, check_resume_kind, check_resume_target, load_checkpoint,
+                                load_state, lock_out_dir, resume_is_done, resume_path)
+from trainer.dist import clip_grad_norm_local, fsdp_micro_step, setup_distributed, shard_model, unsharded
+from trainer.flags import (FOURBIT, OPTIMS, SCHEDULES, end_iter, optimizer_overrides, parse_args,
+                           resolve_args, tokens_per_step)
+from trainer.log import Interrupts, RunLog, read_log, resume_command
 from trainer.util import RunError, rank0, say
 
 TORCH_THREADS = torch.get_num_threads()  # PyTorch's own choice at import: OMP_NUM_THREADS or the physical cores

@@ -82,7 +82,7 @@ def probe(setup, n_layer, steps=3, device="cuda"):
     when the GPU ran out of memory; everything the probe allocated is freed either way. The
     optimizer's package must be importable (largest() checks before probing)."""
     import gaussws
-    from lowbit.in_backward import step_in_backward
+    from lowbit import step_in_backward
     dtype, kind, pqt, in_backward, arith = SETUPS[setup]
     model = opt = handles = None
     torch.cuda.empty_cache()

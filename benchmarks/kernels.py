@@ -145,17 +145,17 @@ def bench_host(rep=200):
     on GPT-2-124M shapes with TRITON_INTERPRET=1 and impl="triton" takes the kernel path for CPU
     tensors; the kernel launches and torch's fused AdamW are replaced by no-ops, and the FP32-state
     tensors take the CUDA branch of _adamw_fp32_steps (FP32 parameters: one fused call; 16-bit
-    ones: one _adamw_kernel launch), so what is timed is the bookkeeping that the GPU step's host
+    ones: one adamw_fp32_kernel launch), so what is timed is the bookkeeping that the GPU step's host
     time is made of besides the launches."""
     os.environ["TRITON_INTERPRET"] = "1"
-    kernels, fused, devices = (A._adamw4bit_kernel, A._adamw_kernel), torch._fused_adamw_, A._FUSED_ADAMW_DEVICES
+    kernels, fused, devices = (A.adamw4bit_kernel, A.adamw_fp32_kernel), torch._fused_adamw_, A.FUSED_ADAMW_DEVICES
 
     class NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **kw: None
 
-    A._adamw4bit_kernel, A._adamw_kernel, torch._fused_adamw_ = NoLaunch(), NoLaunch(), lambda *args, **kw: None
-    A._FUSED_ADAMW_DEVICES = devices + ("cpu",)
+    A.adamw4bit_kernel, A.adamw_fp32_kernel, torch._fused_adamw_ = NoLaunch(), NoLaunch(), lambda *args, **kw: None
+    A.FUSED_ADAMW_DEVICES = devices + ("cpu",)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)     # the small tensors' CPU arithmetic without thread-pool wake-ups
     hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, preset="zipsr", impl="triton")
@@ -180,7 +180,7 @@ def bench_host(rep=200):
             rows.append(dict(case=case, host_ms=statistics.median(times)))
             print(f"{case:28s} {rows[-1]['host_ms']:8.3f} ms per step() (median of {rep}, CPU proxy)")
     finally:
-        (A._adamw4bit_kernel, A._adamw_kernel), torch._fused_adamw_, A._FUSED_ADAMW_DEVICES = kernels, fused, devices
+        (A.adamw4bit_kernel, A.adamw_fp32_kernel), torch._fused_adamw_, A.FUSED_ADAMW_DEVICES = kernels, fused, devices
         torch.set_num_threads(threads)
     return dict(rows=rows)
 
@@ -237,20 +237,20 @@ def bench_noise():
         w, bt, pow2, seed = _noise_inputs(m, n)
         gg = torch.randn(m, n, device="cuda").to(BF16)
         tmax = g.tile_max(w)
-        ours = lambda: g._apply_triton(w, g._generate_triton(m, n, seed, "gaussws"), pow2, seed, "gaussws", BF16, False)
-        fused = lambda: g._apply_triton(w, None, pow2, seed, "gaussws", BF16, True)
-        bm = lambda: g._apply_triton(w, g._generate_triton(m, n, seed, "bm"), pow2, seed, "gaussws", BF16, False)
-        dq = lambda: g._apply_triton(w, g._generate_triton(m, n, seed, "diffq"), pow2, seed, "diffq", BF16, False)
-        bwd = lambda: g._grad_triton(gg, g._generate_triton(m, n, seed, "gaussws"), tmax, seed, "gaussws", torch.float32, False)
-        bwdf = lambda: g._grad_triton(gg, None, tmax, seed, "gaussws", torch.float32, True)
-        packed = g._generate_triton(m, n, seed, "gaussws")
+        ours = lambda: g.apply_triton(w, g.generate_triton(m, n, seed, "gaussws"), pow2, seed, "gaussws", BF16, False)
+        fused = lambda: g.apply_triton(w, None, pow2, seed, "gaussws", BF16, True)
+        bm = lambda: g.apply_triton(w, g.generate_triton(m, n, seed, "bm"), pow2, seed, "gaussws", BF16, False)
+        dq = lambda: g.apply_triton(w, g.generate_triton(m, n, seed, "diffq"), pow2, seed, "diffq", BF16, False)
+        bwd = lambda: g.grad_triton(gg, g.generate_triton(m, n, seed, "gaussws"), tmax, seed, "gaussws", torch.float32, False)
+        bwdf = lambda: g.grad_triton(gg, None, tmax, seed, "gaussws", torch.float32, True)
+        packed = g.generate_triton(m, n, seed, "gaussws")
         comp(w, bt)  # compile outside the timing
         r = dict(shape=f"{m}x{n}", eager=_time(lambda: torch_eq3(w, bt)), compiled=_time(lambda: comp(w, bt)),
                  bm=_time(bm), ours=_time(ours), fused=_time(fused), diffq=_time(dq),
                  floor=m * n * 7 / bw * 1e3, ours_g=_time(ours, True), fused_g=_time(fused, True),
                  comp_g=_time(lambda: comp(w, bt), True), bwd=_time(bwd), bwd_f=_time(bwdf),
-                 gen=_time(lambda: g._generate_triton(m, n, seed, "gaussws")), bm_g=_time(bm, True),
-                 apply=_time(lambda: g._apply_triton(w, packed, pow2, seed, "gaussws", BF16, False)),
+                 gen=_time(lambda: g.generate_triton(m, n, seed, "gaussws")), bm_g=_time(bm, True),
+                 apply=_time(lambda: g.apply_triton(w, packed, pow2, seed, "gaussws", BF16, False)),
                  # the public calls: argument checks, 2^(1-b_t) from b_t, the int seed's cached tensor
                  api=_time(lambda: g.gaussws_sample(w, bt, 12345)),
                  api_f=_time(lambda: g.gaussws_sample(w, bt, 12345, fused=True)),

@@ -13,6 +13,8 @@ import torch
 import adam4bit as A
 import gaussws as g
 from benchmarks.util import run_train_py
+from trainer.flags import build_parser
+from trainer.log import optimizer_state_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -21,7 +23,7 @@ from benchmarks.util import run_train_py
 TABLE1 = [("llama-134m", 24), ("llama-1b", 8), ("llama-3b", 2), ("llama-70b-4l", 2)]  # x 2048 tokens
 
 
-def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="save", param_dtype="fp32",
+def train_setup(preset, method, optim, batch, T, device, compile=True, memory="save", param_dtype="fp32",
                  master_weight_bits=None):
     """Model (preset, PQT method on [all]; parameters in param_dtype "fp32"|"bf16"), optimizer
     (train.py's) and one training step closure on random tokens (throughput does not depend on
@@ -36,7 +38,7 @@ def _train_setup(preset, method, optim, batch, T, device, compile=True, memory="
         g.apply_pqt(model, method=method, parts="all", memory=memory)
     if param_dtype == "bf16":
         trainer.params_to_bf16(model)
-    args = trainer.build_parser().parse_args([])   # every train.py flag at its default, then ours
+    args = build_parser().parse_args([])   # every train.py flag at its default, then ours
     vars(args).update(optim=optim, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bits_wd=0.0,
                       seed=0, param_rounding="rtn", master_weight_bits=master_weight_bits)
     opt = trainer.build_optimizer(args, model, device.type)
@@ -80,14 +82,14 @@ def bench_train(cases=TABLE1, optims=("adamw", "zipsr"), methods=("bf16", "gauss
             ms, peak, gpu = {m: [] for m in methods}, {m: 0.0 for m in methods}, {m: (None, None) for m in methods}
             for rnd in range(rounds):
                 for method in methods:
-                    model, opt, step = _train_setup(preset, method, optim, batch, T, device, compile)
+                    model, opt, step = train_setup(preset, method, optim, batch, T, device, compile)
                     params = model.num_params()
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
                     for _ in range(3):                           # compile and warm up
                         step()
                     if device.type == "cuda":
-                        ms[method].append(_queued_steps_ms(step, steps))
+                        ms[method].append(queued_steps_ms(step, steps))
                         peak[method] = max(peak[method], torch.cuda.max_memory_allocated() / 2 ** 30)
                         if rnd == rounds - 1:    # kernel time apart from the step time: GPU or host?
                             gpu[method] = _gpu_profile(step)
@@ -171,7 +173,7 @@ TRAIN_VARIANTS = {"bf16": lambda model: None,
                   "torch eq.3": torch_eq3_pqt}
 
 
-def _queued_steps_ms(step, n):
+def queued_steps_ms(step, n):
     """ms per step of n steps queued back to back, one wait at the end: how train.py runs (it reads
     a step's loss and grad norm only after the next step is queued), so the host prepares step k + 1
     while the GPU runs step k, and host time costs only where the host falls behind the GPU."""
@@ -185,7 +187,7 @@ def _queued_steps_ms(step, n):
     return t0.elapsed_time(t1) / n
 
 
-def _device_ops(events):
+def device_ops(events):
     """The GPU operations (kernels, copies, memsets) among profiler events: not the ranges that
     record_function puts on the GPU timeline too (e.g. torch's "Optimizer.step#AdamW.step", which
     spans the optimizer's kernels and would count them twice)."""
@@ -201,7 +203,7 @@ def _gpu_profile(step, n=3):
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    dev = _device_ops(prof.events())
+    dev = device_ops(prof.events())
     return sum(e.time_range.elapsed_us() for e in dev) / 1e3 / n, len(dev) / n
 
 
@@ -211,7 +213,7 @@ def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps
     (each mode of `modes`), fused AdamW, gradient clipping, one micro-step per optimizer step;
     every variant (model surgery of `variants`, "bf16" = none) is built and compiled once, then
     timed in `pairs` interleaved rounds in this one process, so the ratios to bf16 are not moved
-    by the machine between runs. Step time: `steps` steps queued back to back (`_queued_steps_ms`,
+    by the machine between runs. Step time: `steps` steps queued back to back (`queued_steps_ms`,
     as train.py runs); "synced": the median of `steps` steps each waited for, where the GPU idles
     while the host starts the next step. Per variant also: host ms per step (the step() call
     started with the GPU idle, without waiting for it), and from torch.profiler the GPU time and
@@ -219,7 +221,7 @@ def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps
     import train as trainer
     from model import GPT, preset_config
     device = torch.device("cuda")
-    args = trainer.build_parser().parse_args([])   # every train.py flag at its default, then ours
+    args = build_parser().parse_args([])   # every train.py flag at its default, then ours
     vars(args).update(optim="adamw", lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bits_wd=0.0, seed=0)
     x = torch.randint(0, 50304, (batch, T), device=device)
     y = torch.randint(0, 50304, (batch, T), device=device)
@@ -250,7 +252,7 @@ def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps
             print(f"  built {name} ({mode})", flush=True)
     for _ in range(pairs):
         for key, r in runs.items():
-            r["ms"].append(_queued_steps_ms(r["step"], steps))
+            r["ms"].append(queued_steps_ms(r["step"], steps))
             times, host = [], []
             for _ in range(steps):      # one step at a time: the host's time is exposed
                 t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -308,7 +310,7 @@ def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
         for optim in ("adamw", "zipsr")]
     cases += [("bf16", "save", "zipsr", "bf16", None), ("bf16", "save", "zipsr", "bf16", 24)]
     for method, memory, optim, pdt, mwb in cases:
-        model, opt, step = _train_setup(preset, method, optim, batch, T, device, compile=False,
+        model, opt, step = train_setup(preset, method, optim, batch, T, device, compile=False,
                                         memory=memory, param_dtype=pdt, master_weight_bits=mwb)
         step(zero=False)                                   # grads stay for the count
         ps = list(model.parameters())
@@ -333,7 +335,7 @@ def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
                       torch.zeros(1, 8, dtype=torch.long, device=device))
         measured = dict(weights=sum(p.numel() * p.element_size() for p in ps),
                         grads=sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None),
-                        optimizer=trainer.optimizer_state_bytes(opt), bf16_weights_saved=sum(saved))
+                        optimizer=optimizer_state_bytes(opt), bf16_weights_saved=sum(saved))
         elig = sum(p.numel() for p in ps if p.numel() >= A.MIN_QUANT_NUMEL and p.numel() % 128 == 0)
         state = 8 * n if optim == "adamw" else 1.0625 * elig + 8 * (n - elig) + (n if mwb else 0)
         w = 2 if pdt == "bf16" else 4

@@ -9,6 +9,7 @@ import time
 
 import torch
 import triton
+from trainer.log import read_log
 
 # torchrun's environment for several GPUs of one host: NVLink multicast off (NCCL's NVLS and
 # symmetric-memory paths are not available on every host)
@@ -30,7 +31,7 @@ def run_train_py(flags, out_dir, nproc=None):
     if r.returncode:
         raise RuntimeError(f"train.py in {out_dir} ({nproc or 1} process(es)) failed:\n"
                            f"{(r.stdout + r.stderr)[-3000:]}")
-    return trainer.read_log(os.path.join(out_dir, "log.jsonl"))
+    return read_log(os.path.join(out_dir, "log.jsonl"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,10 +77,10 @@ def parse_args(argv=None):
         if not (math.isfinite(v) and (v > 0 if name == "lr" else v >= 0)):
             p.error(f"--{name} {v}: must be a finite number {'> 0' if name == 'lr' else '>= 0'}")
     try:                 # the checks apply_pqt and remove_pqt make, before the model is loaded
-        gaussws._parse_parts(args.parts)
-        gaussws._check_bits(args.b_init, args.b_target)
+        gaussws.parse_parts(args.parts)
+        gaussws.check_bits(args.b_init, args.b_target)
         args.cast = None if args.cast == "none" else args.cast
-        gaussws._format_of(args.cast)
+        gaussws.format_of(args.cast)
     except ValueError as e:
         p.error(f"--{str(e).replace('=', ' ', 1)}")
     return args

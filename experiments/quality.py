@@ -34,6 +34,8 @@ import gaussws as g
 from benchmarks.util import save
 from experiments.plots import plot_bitwidth, plot_cast, plot_quality, plot_results
 from experiments import runs as quality_runs
+from trainer.checkpoint import load_checkpoint
+from trainer.util import RunError
 # ---------------------------------------------------------------------------------------------
 # quality: the papers' comparisons at small scale, same data, seeds and steps for every run
 
@@ -199,7 +201,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     report = max_runs == 0   # train nothing: read the run folders as they are
     if runs and not report:   # a flag train.py refuses stops here, before any run folder is read or written
         quality_runs.prepare_data(run_argv(*next(iter(runs))), prepare=False)
-    from train import RunError
+    from trainer.util import RunError
     held = [d for d in runs.values()
             if any(os.path.exists(os.path.join(d, f)) for f in ("log.jsonl", "ckpt.pt", "ckpt"))]
     if held and not (resume or overwrite):
@@ -398,7 +400,7 @@ def load_run(run_dir, device="cpu"):
     import data as datamod
     import train as trainer
     from model import GPT, GPTConfig
-    ck = trainer.load_checkpoint(os.path.join(run_dir, "ckpt.pt"))
+    ck = load_checkpoint(os.path.join(run_dir, "ckpt.pt"))
     c = ck["config"]
     model = GPT(GPTConfig(**ck["model_config"]))
     if c["method"] != "bf16":
@@ -566,7 +568,7 @@ def run_quality(args, ap, tool, command):
                             seeds=seeds, out_dir=out_dir, experiments={k: suite[k] for k in exps},
                             jobs=args.jobs, resume=args.resume, command=command, max_runs=args.max_runs,
                             overwrite=args.overwrite)
-    except trainer.RunError as e:   # a run's flags or files (train.py's own errors, a changed --resume)
+    except RunError as e:   # a run's flags or files (train.py's own errors, a changed --resume)
         ap.exit(2, f"{tool}: error: {e}\n")
     # an explicit --out_dir keeps its JSON there; the default goes to results/ by GPU and date
     save("quality", res, os.path.join(args.out_dir, "quality.json") if args.out_dir else None)

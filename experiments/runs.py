@@ -10,6 +10,9 @@ import os
 import sys
 
 import torch
+from trainer.flags import build_parser, resolve_args
+from trainer.log import read_log
+from trainer.util import RunError
 
 
 def _visible_gpus():
@@ -26,13 +29,13 @@ def prepare_data(argv, prepare=True):
     train.RunError naming it."""
     import data as datamod
     import train as trainer
-    p = trainer.build_parser()
+    p = build_parser()
 
     def error(message):   # train.py's parser's message, without train.py's usage line
-        raise trainer.RunError(f"the runs' train.py flags: {message} (see python train.py --help)")
+        raise RunError(f"the runs' train.py flags: {message} (see python train.py --help)")
     p.error = error
     a = p.parse_args(argv)
-    trainer.resolve_args(a, p, a.device != "cpu" and torch.cuda.is_available())
+    resolve_args(a, p, a.device != "cpu" and torch.cuda.is_available())
     if prepare:
         datamod.prepare(a.dataset, a.tokenizer, data_dir=a.data_dir, max_tokens=a.max_tokens)
 
@@ -43,7 +46,7 @@ def train_inprocess(argv, d):
     import train as trainer
     try:
         trainer.main(argv)
-    except trainer.RunError as e:
+    except RunError as e:
         if "diverged" not in str(e):
             raise
         print(f"[quality] {d}: {e}")
@@ -117,7 +120,7 @@ def train_subprocesses(todo, jobs):
                 running.remove(r)
                 status = "done"
                 if p.returncode:
-                    if any(x.get("type") == "error" for x in trainer.read_log(os.path.join(d, "log.jsonl"))):
+                    if any(x.get("type") == "error" for x in read_log(os.path.join(d, "log.jsonl"))):
                         status = "diverged"
                     else:
                         how = (f"killed by {signal.Signals(-p.returncode).name}" if p.returncode < 0
@@ -139,7 +142,7 @@ def train_subprocesses(todo, jobs):
 def log_records(d):
     """The records of run folder d's log.jsonl ([] before the run wrote one)."""
     import train as trainer
-    return trainer.read_log(os.path.join(d, "log.jsonl"))
+    return read_log(os.path.join(d, "log.jsonl"))
 
 
 def trained(d, recs=None):
@@ -184,7 +187,7 @@ def same_run(d, argv, any_dataset=False):
     if diff:
         def said(flags):
             return " ".join(f"{k} {flags[k]}".strip() for k in diff if k in flags) or "not given"
-        raise trainer.RunError(f"--resume: {d} was trained with other train.py flags ({said(old)} then, "
+        raise RunError(f"--resume: {d} was trained with other train.py flags ({said(old)} then, "
                                f"{said(new)} now); use its flags, or another --out_dir for these")
     return old.get("--dataset")
 

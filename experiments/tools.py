@@ -21,7 +21,7 @@ import torch
 import gaussws as g
 
 # the gaussws functions `kernels` times directly (the kernels alone, outside the autograd layer)
-GAUSSWS_NAMES = ("_apply_triton", "_grad_triton", "_launch_config", "_seed_tensor", "tile_grid")
+GAUSSWS_NAMES = ("apply_triton", "grad_triton", "launch_config", "seed_tensor", "tile_grid")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def kernels(shapes, configs):
     import triton
     from benchmarks.util import copy_bandwidth
     bw = copy_bandwidth()
-    seed = g._seed_tensor(12345, "cuda")
+    seed = g.seed_tensor(12345, "cuda")
     bf16 = torch.bfloat16
 
     def us(fn):
@@ -57,16 +57,16 @@ def kernels(shapes, configs):
         floor = m * n * 6 / bw * 1e6
 
         def apply(bt=None, nw=None):
-            return g._apply_triton(w, None, None, seed, "gaussws", bf16, True, bt, nw, bits=(b, 4.0, 2.0))
+            return g.apply_triton(w, None, None, seed, "gaussws", bf16, True, bt, nw, bits=(b, 4.0, 2.0))
 
         def grad(live, tmax, bt=None, nw=None):
-            return g._grad_triton(gg, None, tmax, seed, "gaussws", torch.float32, True, bt, nw,
+            return g.grad_triton(gg, None, tmax, seed, "gaussws", torch.float32, True, bt, nw,
                                   bits=(live, 2.0, torch.float32))
         cast_f, cast_b = us(lambda: w.to(bf16)), us(lambda: gg.float())
         ref_a = apply()
         tmax, live = ref_a[1], ref_a[2]
         ref_g = grad(live, tmax)
-        cur_a, cur_g = g._launch_config("apply", 2, tm * tn), g._launch_config("grad", 2, tm * tn)
+        cur_a, cur_g = g.launch_config("apply", 2, tm * tn), g.launch_config("grad", 2, tm * tn)
         res = {}
         for bt, nw in list(configs) + [k for k in dict.fromkeys((cur_a, cur_g)) if k not in configs]:
             try:
@@ -178,10 +178,10 @@ def profile(presets):
     for preset in presets:
         for method in ("bf16", "gaussws"):
             t0 = time.time()
-            model, opt, step = bt._train_setup(preset, method, "adamw", cases[preset], 2048, torch.device("cuda"), "blocks")
+            model, opt, step = bt.train_setup(preset, method, "adamw", cases[preset], 2048, torch.device("cuda"), "blocks")
             for _ in range(3):
                 step()
-            ms = [bt._queued_steps_ms(step, 10) for _ in range(2)]
+            ms = [bt.queued_steps_ms(step, 10) for _ in range(2)]
             host = []
             for _ in range(5):
                 torch.cuda.synchronize()
@@ -194,7 +194,7 @@ def profile(presets):
                     step()
                 torch.cuda.synchronize()
             fam, kern = {}, {}
-            for e in bt._device_ops(prof.events()):      # kernels and copies, not record_function ranges
+            for e in bt.device_ops(prof.events()):      # kernels and copies, not record_function ranges
                 us = e.time_range.elapsed_us() / 3
                 fam[family(e.name)] = fam.get(family(e.name), 0.0) + us
                 c = kern.setdefault(e.name[:90], [0.0, 0])

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 
-def _f32(x):
+def f32(x):
     """The float32 value of the Python number x, as a Python float (what a float32 kernel
     argument becomes)."""
     return torch.tensor(x, dtype=torch.float32).item()
@@ -29,13 +29,13 @@ def sqrt_rn(x):
     return x.double().sqrt().to(x.dtype)
 
 
-def _denominator(v, bias_correction2, eps, sqrt_v=None):
+def adam_denominator(v, bias_correction2, eps, sqrt_v=None):
     # paper B eq. 3.1: r_t(v) = sqrt(v) / sqrt(1 - b2^t) + eps, the AdamW denominator, and
     # h_t = 1 / r_t; written with the float32 reciprocal of sqrt(bc2) (a multiply, not a
     # division). The 4-bit step, the FP32-state step and the quantizer's preconditioner
     # coordinate share this one expression, so the kernel computes r_t(v~) once for all.
     sqrt_v = sqrt_rn(v) if sqrt_v is None else sqrt_v
-    return sqrt_v * _f32(1 / math.sqrt(bias_correction2)) + eps
+    return sqrt_v * f32(1 / math.sqrt(bias_correction2)) + eps
 
 
 # BF16 round-to-nearest-even of float32 bit patterns (int32): add 0x7FFF plus the lowest kept bit

@@ -15,6 +15,8 @@ import gaussws
 from codebooks import CODEBOOKS
 from model import PRESETS, preset_config
 from trainer.util import rank0, say
+from lowbit.optim.args import V_ROUNDINGS
+from lowbit.optim.param_write import PARAM_ROUNDINGS
 
 METHODS = ("bf16", "gaussws", "diffq")
 OPTIMS = ("adamw", "fp32", "torchao", "zipsr", "zeeden", "adam-mini")
@@ -76,11 +78,11 @@ def build_parser():
     g.add_argument("--v_codebook", default=None, choices=tuple(CODEBOOKS),
                    help="4-bit presets only: second-moment codebook instead of the preset's (e.g. dyn4 with "
                         "--v_rounding state-rtn: the zero-point failure of paper B Figure 1)")
-    g.add_argument("--v_rounding", default=None, choices=adam4bit.V_ROUNDINGS,
+    g.add_argument("--v_rounding", default=None, choices=V_ROUNDINGS,
                    help="4-bit presets only: second-moment rounding rule instead of the preset's (paper B App. A.2)")
     g.add_argument("--param_dtype", default="fp32", choices=("fp32", "bf16"),
                    help="dtype the model parameters are stored in (bf16: no FP32 master copy; b_i stay FP32)")
-    g.add_argument("--param_rounding", default="rtn", choices=adam4bit.PARAM_ROUNDINGS,
+    g.add_argument("--param_rounding", default="rtn", choices=PARAM_ROUNDINGS,
                    help="AdamW4bit presets, --param_dtype bf16: how the new BF16 weight is written (sr: stochastic)")
     g.add_argument("--master_weight_bits", type=int, default=None, choices=(24,),
                    help="AdamW4bit presets, --param_dtype bf16: 24 keeps an int8 correction per weight (+1 B/param)")

@@ -10,7 +10,7 @@ import math
 import torch
 
 from codebooks import get_codebook
-from lowbit.optim.launch import _BIAS_ROWS_MAX, KERNEL_DTYPES
+from lowbit.optim.launch import BIAS_ROWS_MAX, KERNEL_DTYPES
 from lowbit.optim.param_write import MASTER_WEIGHT_BITS, PARAM_ROUNDINGS
 
 ROUNDINGS = ("rtn", "sr")
@@ -19,18 +19,18 @@ V_ROUNDINGS = ("state-rtn", "state-sr", "update-rtn", "update-sr")
 IMPLS = ("auto", "torch", "triton")
 
 
-def _check_block_size(block_size):
+def check_block_size(block_size):
     if not isinstance(block_size, int) or block_size < 2 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 2, got {block_size!r}")
 
 
-def _check_quant_args(x, block_size, rule, coord, T, bias_correction2=1.0):
+def check_quant_args(x, block_size, rule, coord, T, bias_correction2=1.0):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a real floating-point tensor, got "
                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
     if not 0 < bias_correction2 <= 1:
         raise ValueError(f"bias_correction2 = 1 - b2^t must be in (0, 1], got {bias_correction2}")
-    _check_block_size(block_size)
+    check_block_size(block_size)
     if x.numel() % block_size:
         raise ValueError(f"x.numel()={x.numel()} must be a multiple of block_size={block_size}")
     if rule not in ROUNDINGS:
@@ -59,14 +59,14 @@ def check_init_args(presets, lr, betas, eps, weight_decay, preset, block_size, i
                          "nearest write: use param_rounding='rtn' with it, not 'sr'")
     if not isinstance(preset, str) or preset not in presets:
         raise ValueError(f"preset must be one of {sorted(presets)}, got {preset!r}")
-    _check_block_size(block_size)
+    check_block_size(block_size)
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise TypeError(f"seed must be a nonnegative int, got {seed!r}")
 
 
-def _group_hparams(group):
+def group_hparams(group):
     # (lr, b1, b2, eps, wd) of a param group for this step; lr may be a 0-d tensor (schedulers)
     lr = group["lr"]
     return (float(lr.item()) if torch.is_tensor(lr) else float(lr), *group["betas"], group["eps"],
@@ -128,7 +128,7 @@ def _check_math_keys(group, where):
                          + f"; remove the key or set it to {ours}")
 
 
-def _quantizer_config(presets, preset, block_size, m_codebook, m_rounding, v_codebook, v_rounding, eden,
+def quantizer_config(presets, preset, block_size, m_codebook, m_rounding, v_codebook, v_rounding, eden,
                       lm_head_sr_after):
     """The preset's components with the given overrides (None keeps the preset's; for
     lm_head_sr_after the marker "preset" does), checked: AdamW4bit.qcfg."""
@@ -203,10 +203,10 @@ def check_group(opt, gi, group, lr_value=True):
     where = f"param group {gi}: "
     _check_hparams(dict(group, lr=0.0) if not lr_value and _lr_on_device(group["lr"]) else group, where)
     _check_math_keys(group, where)
-    if opt.capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= _BIAS_ROWS_MAX
+    if opt.capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= BIAS_ROWS_MAX
                                for b in group["betas"]):
         raise ValueError(f"{where}capturable=True needs betas whose bias corrections reach 1 within "
-                         f"{_BIAS_ROWS_MAX} steps (beta < ~0.99999), got {tuple(group['betas'])}; use "
+                         f"{BIAS_ROWS_MAX} steps (beta < ~0.99999), got {tuple(group['betas'])}; use "
                          "capturable=False")
     opt._checked[gi] = _hparams_key(group)
 

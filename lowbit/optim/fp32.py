@@ -9,12 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.optim.launch import (_DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SQ, TAB_FIRST_PROGRAM,
+from lowbit.optim.launch import (DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SQ, TAB_FIRST_PROGRAM,
                            TAB_GRAD, TAB_N_BLOCKS, TAB_OFFSET, TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_P,
-                           TAB_WIDTH, _cached_tables, _device_scalars, _launch_scalars)
-from lowbit.numerics import _denominator
-from lowbit.optim.param_write import _join_master, _param_bits16, _write_step, read_param
-from lowbit.optim.sr_bits import _sr_seed, _tl_sr_seed, _uniform, shard_offset, shard_span
+                           TAB_WIDTH, cached_tables, device_scalars, launch_scalars)
+from lowbit.numerics import adam_denominator
+from lowbit.optim.param_write import tl_join_master, param_bits16, write_step, read_param
+from lowbit.optim.sr_bits import sr_seed_of, tl_sr_seed, sr_uniform, shard_offset, shard_span
 
 
 def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", seed=0, u_p=None, span=None):
@@ -40,14 +40,14 @@ def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", see
     # eq. 2.1b; eq. 3.1's r_t(v)
     bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
     corr = state.get("param_correction")
-    w = read_param(param, corr) * (1 - lr * wd) - (lr / bc1) * m / _denominator(v, bc2, eps)
+    w = read_param(param, corr) * (1 - lr * wd) - (lr / bc1) * m / adam_denominator(v, bc2, eps)
     gen = None
     if rule == "sr" and param.dtype == torch.bfloat16 and corr is None and u_p is None:
         gen = torch.Generator(device=param.device).manual_seed(seed)
-    _write_step(param, w, corr, rule, u_p, gen, span)
+    write_step(param, w, corr, rule, u_p, gen, span)
 
 
-def _split_fp32(items, fused_devices):
+def split_fp32(items, fused_devices):
     """The FP32-state items (param, state, t, seed index) of one group, split once for the step
     and its recorded plan: ({t: [(param, state)]} for torch's fused AdamW, FP32 parameters on a
     device in fused_devices, one call per step value; [items] for adamw_step_torch)."""
@@ -60,15 +60,15 @@ def _split_fp32(items, fused_devices):
     return by_t, loop
 
 
-def _fp32_loop(loop, k, hp, rule, seed):
-    """adamw_step_torch on _split_fp32's loop items (param, state, t, seed index) at step t + k,
+def fp32_loop(loop, k, hp, rule, seed):
+    """adamw_step_torch on split_fp32's loop items (param, state, t, seed index) at step t + k,
     hp = (lr, b1, b2, eps, wd), rule = param_rounding, seed: the optimizer's."""
     for p, st, t, i in loop:
-        adamw_step_torch(p, p.grad, st, *hp, t + k, rule, _sr_seed(seed, t + k, i), span=shard_span(i))
+        adamw_step_torch(p, p.grad, st, *hp, t + k, rule, sr_seed_of(seed, t + k, i), span=shard_span(i))
 
 
-def _fused_fp32_args(its, lr=None):
-    # the step-independent lists of _fused_fp32_group for (param, state) pairs of FP32 parameters
+def fused_fp32_args(its, lr=None):
+    # the step-independent lists of fused_fp32_group for (param, state) pairs of FP32 parameters
     # of one device and step: the parameters and their moments shaped like them
     # (and whether a gradient needs a cast: a replayed plan keeps the gradients' dtypes);
     # capturable (lr: the device lr tensor): the states' device step counters and lr
@@ -79,8 +79,8 @@ def _fused_fp32_args(its, lr=None):
                 lr=lr, steps=[st["step"] for _, st in its] if lr is not None else None)
 
 
-def _fused_fp32_group(a, t, lr, b1, b2, eps, wd):
-    # torch's fused AdamW on one _fused_fp32_args group at step t
+def fused_fp32_group(a, t, lr, b1, b2, eps, wd):
+    # torch's fused AdamW on one fused_fp32_args group at step t
     ps = a["ps"]
     if a["lr"] is not None:        # capturable: t and lr from device memory
         steps, lr = a["steps"], a["lr"].float()
@@ -98,19 +98,19 @@ def _fused_fp32_group(a, t, lr, b1, b2, eps, wd):
 # Each program steps
 # ADAMW_BLOCK consecutive elements of one tensor, found through the same launch tables as the
 # 4-bit kernel's (TAB_N_BLOCKS holds the element count, the scale columns are unused), and
-# writes the parameter as the 4-bit kernel does (param_write._param_bits16: RTN, SR or eq. MW).
+# writes the parameter as the 4-bit kernel does (param_write.param_bits16: RTN, SR or eq. MW).
 
 ADAMW_BLOCK = 1024       # elements per program
 
 
 @triton.jit(do_not_specialize=["seed_of_step", "bias_rows"])
-def _adamw_kernel(program_tensor, launch_table,
+def adamw_fp32_kernel(program_tensor, launch_table,
                   seed_of_step, decay, step_size, b1, one_minus_b1, b2, one_minus_b2, inv_sqrt_bc2, eps,
                   step_ptr, lr_ptr, bias_table, bias_rows, DEV: tl.constexpr,
                   HAS_U: tl.constexpr, P_KIND: tl.constexpr, G_KIND: tl.constexpr,
                   P_SR: tl.constexpr, P_CORR: tl.constexpr, SHARDED: tl.constexpr, BLOCK: tl.constexpr):
     if DEV:
-        seed_of_step, decay, step_size, inv_sqrt_bc2 = _device_scalars(step_ptr, lr_ptr, bias_table,
+        seed_of_step, decay, step_size, inv_sqrt_bc2 = device_scalars(step_ptr, lr_ptr, bias_table,
                                                                        bias_rows, seed_of_step)
     pid = tl.program_id(0)
     row = launch_table + tl.load(program_tensor + pid) * TAB_WIDTH
@@ -124,7 +124,7 @@ def _adamw_kernel(program_tensor, launch_table,
     corr = tl.load(row + TAB_CORRECTION).to(tl.pointer_type(tl.int8))
     w = tl.load(param + i, mask=mask, other=0).to(tl.float32)
     if P_CORR:       # eq. MW: w = x + e 2^(E-15)
-        w = _join_master(w, tl.load(corr + i, mask=mask, other=0))
+        w = tl_join_master(w, tl.load(corr + i, mask=mask, other=0))
     g = tl.load(grad + i, mask=mask, other=0).to(tl.float32)
     # eq. 2.1a with FP32 storage
     m = tl.load(exp_avg + i, mask=mask, other=0.0) * b1 + g * one_minus_b1
@@ -138,33 +138,33 @@ def _adamw_kernel(program_tensor, launch_table,
         if HAS_U:    # tests: the caller's uniforms
             u = tl.load(tl.load(row + TAB_U_P).to(tl.pointer_type(tl.float32)) + i, mask=mask, other=0.0)
         else:        # stream 2, as the 4-bit kernel's BF16 write, at i's place in the whole tensor
-            seed = _tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))
+            seed = tl_sr_seed(seed_of_step, tl.load(row + TAB_SEED_OF_INDEX))
             # an FSDP2 shard's first element's place; 0 at compile time in unsharded launches
-            u = _uniform(seed, i + (tl.load(row + TAB_OFFSET) if SHARDED else 0), 2)
-    h = _param_bits16(w, u, corr + i, mask, P_KIND, P_SR, P_CORR)     # write_param
+            u = sr_uniform(seed, i + (tl.load(row + TAB_OFFSET) if SHARDED else 0), 2)
+    h = param_bits16(w, u, corr + i, mask, P_KIND, P_SR, P_CORR)     # write_param
     tl.store(param.to(tl.pointer_type(tl.int16), bitcast=True) + i, h.to(tl.int16), mask=mask)
 
 
 def adamw_step_triton(items, lr, b1, b2, eps, wd, t, rule, seed_of_step, cache, u=None):
-    """adamw_step_torch for many tensors in one launch of _adamw_kernel (eq. 2.1a-b with FP32
+    """adamw_step_torch for many tensors in one launch of adamw_fp32_kernel (eq. 2.1a-b with FP32
     moments), bit for bit given the same SR uniforms.
 
     items:  (param, state, index) triples of one device, parameter dtype (bfloat16 or float16,
             contiguous), gradient dtype (float32, bfloat16 or float16, contiguous) and step t;
             state as in adamw_step_torch (all with or all without a param_correction); index the
-            parameter's position from 1 (its SR seed is _sr_seed(seed, t, index)) or an FSDP2
+            parameter's position from 1 (its SR seed is sr_seed_of(seed, t, index)) or an FSDP2
             shard's sr_bits.ShardIndex (its SR bits are its whole tensor's there).
-    rule:   the BF16 write, "rtn"|"sr"; seed_of_step: _seed_of_step(seed, t).
+    rule:   the BF16 write, "rtn"|"sr"; seed_of_step: step_seed(seed, t).
     cache:  a dict kept per optimizer (program and launch tables of each set of tensors).
     u:      optional list of float32 uniform tensors u_p per item (the SR write's), replacing the
             kernel's Philox bits (tests).
     """
-    _adamw_launch(_adamw_prepare(items, rule, cache, u), lr, b1, b2, eps, wd, t, seed_of_step)
+    adamw_fp32_launch(adamw_prepare(items, rule, cache, u), lr, b1, b2, eps, wd, t, seed_of_step)
 
 
-def _adamw_prepare(items, rule, cache, u=None, own_table=False):
+def adamw_prepare(items, rule, cache, u=None, own_table=False):
     """Everything of adamw_step_triton's launch that does not change between steps (a dict for
-    _adamw_launch; own_table: as in _triton_prepare)."""
+    adamw_fp32_launch; own_table: as in _triton_prepare)."""
     dev = items[0][0].device
     numels = tuple(p.numel() for p, _, _ in items)
     ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), st["exp_avg"].data_ptr(), 0, st["exp_avg_sq"].data_ptr(),
@@ -172,19 +172,19 @@ def _adamw_prepare(items, rule, cache, u=None, own_table=False):
                   st["param_correction"].data_ptr() if "param_correction" in st else 0)
                  + ((0, 0, u[j].data_ptr()) if u is not None else ())
                  for j, (p, st, i) in enumerate(items))
-    progs, tab, extra = _cached_tables(cache, dev, (dev, "adamw", numels), numels, ADAMW_BLOCK,
+    progs, tab, extra = cached_tables(cache, dev, (dev, "adamw", numels), numels, ADAMW_BLOCK,
                                        ("adamw", ptrs), ptrs, 1, own_table)
     p0 = items[0][0]
     bf16, p_corr = p0.dtype == torch.bfloat16, "param_correction" in items[0][1]
     return dict(dev=None, grid=(progs[0].numel(),), progs=progs[0], tab=tab, grads=tuple(r[1] for r in ptrs),
-                flags=dict(HAS_U=u is not None, P_KIND=_DTYPE_KIND[p0.dtype], G_KIND=_DTYPE_KIND[p0.grad.dtype],
+                flags=dict(HAS_U=u is not None, P_KIND=DTYPE_KIND[p0.dtype], G_KIND=DTYPE_KIND[p0.grad.dtype],
                            P_SR=bf16 and not p_corr and rule == "sr", P_CORR=bf16 and p_corr,
                            SHARDED=any(r[8] for r in ptrs), BLOCK=ADAMW_BLOCK, num_warps=4, **extra))
 
 
-def _adamw_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step, kernel=None):
-    """Launch _adamw_kernel (or `kernel`, the same kernel by another name) for an _adamw_prepare
+def adamw_fp32_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step, kernel=None):
+    """Launch adamw_fp32_kernel (or `kernel`, the same kernel by another name) for an adamw_prepare
     plan with step t's scalars."""
-    (seed_of_step, decay, step_size, inv_sqrt_bc2), dev = _launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step)
-    (kernel or _adamw_kernel)[launch["grid"]](launch["progs"], launch["tab"], seed_of_step, decay, step_size,
+    (seed_of_step, decay, step_size, inv_sqrt_bc2), dev = launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step)
+    (kernel or adamw_fp32_kernel)[launch["grid"]](launch["progs"], launch["tab"], seed_of_step, decay, step_size,
                                               b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2, eps, *dev, **launch["flags"])

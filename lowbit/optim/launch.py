@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.optim.sr_bits import _seed_of_index, _tl_seed_of_step
+from lowbit.optim.sr_bits import index_seed, tl_step_seed
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)    # param and grad dtypes
-_DTYPE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the kernels' P_KIND, G_KIND
+DTYPE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the kernels' P_KIND, G_KIND
 
 # One int64 row of TAB_WIDTH columns per tensor, written by _launch_table and read by the kernel:
 TAB_FIRST_PROGRAM = tl.constexpr(0)      # the tensor's first program (_program_table)
@@ -26,7 +26,7 @@ TAB_EXP_AVG = tl.constexpr(4)            # and exp_avg_scale, exp_avg_sq_scale (
 TAB_EXP_AVG_SCALE = tl.constexpr(5)
 TAB_EXP_AVG_SQ = tl.constexpr(6)
 TAB_EXP_AVG_SQ_SCALE = tl.constexpr(7)
-TAB_SEED_OF_INDEX = tl.constexpr(8)      # the parameter's term of its SR seed (_seed_of_index)
+TAB_SEED_OF_INDEX = tl.constexpr(8)      # the parameter's term of its SR seed (index_seed)
 TAB_U_M = tl.constexpr(9)                # the caller's uniforms u_m, u_v (float32; 0 without)
 TAB_U_V = tl.constexpr(10)
 TAB_U_P = tl.constexpr(11)               # and u_p of the BF16 SR write
@@ -60,7 +60,7 @@ def _launch_table(ptrs, first_programs, block_size, device):
         row[TAB_EXP_AVG_SCALE] = exp_avg_scale
         row[TAB_EXP_AVG_SQ] = exp_avg_sq
         row[TAB_EXP_AVG_SQ_SCALE] = exp_avg_sq_scale
-        row[TAB_SEED_OF_INDEX] = _seed_of_index(index)
+        row[TAB_SEED_OF_INDEX] = index_seed(index)
         row[TAB_U_M], row[TAB_U_V], row[TAB_U_P] = (tuple(u) + (0, 0, 0))[:3]
         row[TAB_CORRECTION] = correction
         row[TAB_OFFSET] = offset
@@ -68,7 +68,7 @@ def _launch_table(ptrs, first_programs, block_size, device):
     return torch.tensor(rows, dtype=torch.int64).to(device)
 
 
-def _cached_tables(cache, dev, program_key, units, per_program, launch_key, ptrs, block_size, own_table):
+def cached_tables(cache, dev, program_key, units, per_program, launch_key, ptrs, block_size, own_table):
     """The program table (_program_table(units, per_program, dev)), the launch table
     (_launch_table(ptrs, ..., block_size, dev)) and the compile options of a launch of either
     kernel. The tables are cached in `cache` (the optimizer's dict, under "programs" and
@@ -76,7 +76,7 @@ def _cached_tables(cache, dev, program_key, units, per_program, launch_key, ptrs
     with the same tensor sizes (program_key) and data pointers (launch_key) a step reuses them.
     More than 64 launch tables mean parameters or states were reallocated: the old ones are
     dropped. own_table: a launch table of its own, not shared with the cache (the step's cached
-    plan rewrites its gradient column in place, _triton_regrad)."""
+    plan rewrites its gradient column in place, triton_regrad)."""
     programs, launches = (cache.setdefault(k, {}) for k in ("programs", "launch"))
     progs = programs.get(program_key)
     if progs is None:
@@ -94,8 +94,8 @@ def _cached_tables(cache, dev, program_key, units, per_program, launch_key, ptrs
     return progs, tab, extra
 
 
-def _triton_regrad(launch, grads):
-    """Point a _triton_prepare or _adamw_prepare (own_table=True) launch at new gradient tensors
+def triton_regrad(launch, grads):
+    """Point a _triton_prepare or adamw_prepare (own_table=True) launch at new gradient tensors
     (same dtypes and sizes, e.g. after zero_grad(set_to_none=True) when the allocator gave other
     addresses): one host-to-device copy of the gradient column, from pinned memory, no host sync."""
     ptrs = tuple(g.data_ptr() for g in grads)
@@ -109,11 +109,11 @@ def _triton_regrad(launch, grads):
         launch["flags"]["ALIGNED"] = launch["p_aligned"] and all(g % launch["g_align"] == 0 for g in ptrs)
 
 
-def _launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step):
+def launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step):
     """The per-step arguments of both kernels: (seed_of_step, decay, step_size, 1/sqrt(bc2)) of
-    eq. 2.1b at step t from the host, then the device ones (step counter, lr, _bias_table,
+    eq. 2.1b at step t from the host, then the device ones (step counter, lr, capturable_bias_table,
     its rows, the DEV flag). A launch with launch["dev"] (capturable=True) passes no host
-    scalars: the kernel reads t and lr from device memory (_device_scalars), the same float64
+    scalars: the kernel reads t and lr from device memory (device_scalars), the same float64
     arithmetic."""
     dev = launch["dev"]
     if dev is None:
@@ -123,10 +123,10 @@ def _launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step):
     return (dev["seed_term"], 0.0, 0.0, 0.0), (dev["step"], dev["lr"], dev["bias"], dev["rows"], True)
 
 
-_BIAS_ROWS_MAX = 1 << 22
+BIAS_ROWS_MAX = 1 << 22
 
 
-def _bias_table(b1, b2, wd):
+def capturable_bias_table(b1, b2, wd):
     """The capturable step's table (float64 (rows, 2), CPU): row 0 = (wd, 0); row t = (bc1,
     1/sqrt(bc2)) of eq. 2.1b, bc = 1 - b^t, computed as the host step computes them; the last
     row is (1, 1), where both have become exactly 1 in float64 and stay so (the kernel reads row
@@ -137,21 +137,21 @@ def _bias_table(b1, b2, wd):
         if rows[-1] == (1.0, 1.0):
             return torch.tensor(rows, dtype=torch.float64)
         t += 1
-        if t >= _BIAS_ROWS_MAX:
+        if t >= BIAS_ROWS_MAX:
             raise ValueError(f"capturable=True: betas {(b1, b2)} are too close to 1 for its bias-correction "
-                             f"table (1 - beta^t reaches 1 after more than {_BIAS_ROWS_MAX} steps)")
+                             f"table (1 - beta^t reaches 1 after more than {BIAS_ROWS_MAX} steps)")
 
 
 @triton.jit
-def _device_scalars(step_ptr, lr_ptr, bias_table, bias_rows, seed_term):
+def device_scalars(step_ptr, lr_ptr, bias_table, bias_rows, seed_term):
     # A capturable step's scalars from device memory, with the host's float64 arithmetic (see
-    # _launch_scalars): t (the float32 step counter), lr (float32 or float64), and from
-    # _bias_table row min(t, rows - 1) bc1 = 1 - b1^t and 1 / sqrt(bc2), its row 0 holding wd;
-    # seed_term = sr_bits._seed_term(seed), _seed_of_step's step-free part.
+    # launch_scalars): t (the float32 step counter), lr (float32 or float64), and from
+    # capturable_bias_table row min(t, rows - 1) bc1 = 1 - b1^t and 1 / sqrt(bc2), its row 0 holding wd;
+    # seed_term = sr_bits.seed_base(seed), step_seed's step-free part.
     t = tl.load(step_ptr).to(tl.int64)
     lr = tl.load(lr_ptr).to(tl.float64)
     row = bias_table + 2 * tl.minimum(t, bias_rows - 1)
     decay = (1.0 - lr * tl.load(bias_table)).to(tl.float32)
     step_size = (lr / tl.load(row)).to(tl.float32)      # float64 division: IEEE-rounded
     inv_sqrt_bc2 = tl.load(row + 1).to(tl.float32)
-    return _tl_seed_of_step(seed_term, t), decay, step_size, inv_sqrt_bc2
+    return tl_step_seed(seed_term, t), decay, step_size, inv_sqrt_bc2

@@ -14,28 +14,28 @@ from lowbit.numerics import sqrt_rn
 LUT_BUCKETS = (32, 64, 128, 256, 512, 1024)   # bucket counts of the level search over [-1, 1]
 
 
-def _pair_bits(lo, hi):
+def pair_bits(lo, hi):
     """float32 tensors lo, hi -> int64 holding lo's bits in the low word and hi's in the high
     word: the kernel reads both with one 64-bit gather."""
     return (lo.view(torch.int32).long() & 0xFFFFFFFF) | (hi.view(torch.int32).long() << 32)
 
 
 @triton.jit
-def _unpair(e):
-    # inverse of _pair_bits: int64 -> (low float32, high float32)
+def unpair(e):
+    # inverse of pair_bits: int64 -> (low float32, high float32)
     return e.to(tl.int32).to(tl.float32, bitcast=True), (e >> 32).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _join_bits(lo, hi):
-    # _pair_bits in the kernel: two float32 -> one int64 (one 64-bit store)
+def join_bits(lo, hi):
+    # pair_bits in the kernel: two float32 -> one int64 (one 64-bit store)
     return lo.to(tl.uint32, bitcast=True).to(tl.int64) | (hi.to(tl.uint32, bitcast=True).to(tl.int64) << 32)
 
 
-def _bucket_lut(bounds, n=None, margin=2.0 ** -12):
+def bucket_lut(bounds, n=None, margin=2.0 ** -12):
     """The kernel's replacement for torch.searchsorted(bounds, y, right=True), y in [-1, 1].
 
-    Bucket j (0 <= j <= n) holds y with (y + 1) n/2 in [j, j+1). Its entry packs (_pair_bits)
+    Bucket j (0 <= j <= n) holds y with (y + 1) n/2 in [j, j+1). Its entry packs (pair_bits)
     c_j = the count of bounds <= e_j - margin (surely <= every y of the bucket, e_j = -1 + 2j/n)
     and bounds[c_j], the next bound (2.0 past the last). At most one bound lies in
     [e_j - margin, e_j+1 + margin), so the count of bounds <= y is c_j + (y >= bounds[c_j]): one
@@ -48,7 +48,7 @@ def _bucket_lut(bounds, n=None, margin=2.0 ** -12):
     if n is None:
         for n in LUT_BUCKETS[:-1]:
             try:
-                return _bucket_lut(bounds, n, margin)
+                return bucket_lut(bounds, n, margin)
             except ValueError:
                 pass
         n = LUT_BUCKETS[-1]
@@ -60,31 +60,31 @@ def _bucket_lut(bounds, n=None, margin=2.0 ** -12):
         raise ValueError(f"codebook levels are closer than the kernel's level buckets (2/{n} plus "
                          f"margins) or outside [-1, 1]: boundaries {bounds.tolist()}")
     nxt = torch.cat([bounds, torch.tensor([2.0], dtype=torch.float32)])
-    return _pair_bits(count.to(torch.int32), nxt[count])
+    return pair_bits(count.to(torch.int32), nxt[count])
 
 
-def _kernel_tables(cfg):
+def build_kernel_tables(cfg):
     """The kernel's lookup tables (CPU tensors) for an optimizer configuration:
-    m_decode/v_decode: byte -> (T[low nibble], T[high nibble]) as _pair_bits, int64 (256,);
+    m_decode/v_decode: byte -> (T[low nibble], T[high nibble]) as pair_bits, int64 (256,);
     v_codebook: T_v (EDEN reads T[code]);
-    m_lut_rtn/m_lut_sr/v_lut: _bucket_lut of the level midpoints (State-RTN: the code is the
+    m_lut_rtn/m_lut_sr/v_lut: bucket_lut of the level midpoints (State-RTN: the code is the
     count of midpoints <= y) or of the inner levels (the others: the lower level's index k);
-    m_adjacent/v_adjacent: k -> (T[k], T[k+1]) as _pair_bits, or (sqrt T[k], sqrt T[k+1]) for
+    m_adjacent/v_adjacent: k -> (T[k], T[k+1]) as pair_bits, or (sqrt T[k], sqrt T[k+1]) for
     the update coordinate (one 64-bit gather).
-    Raises ValueError, naming the moment's codebook, if its levels are too dense for _bucket_lut."""
+    Raises ValueError, naming the moment's codebook, if its levels are too dense for bucket_lut."""
     T_m, T_v = (get_codebook(cfg[k]) for k in ("m_codebook", "v_codebook"))
     codes = torch.arange(256)
 
     def dec(T):   # codes >= K are never written; they decode to the top level
         T = torch.cat([T, T[-1:].expand(16 - T.numel())])
-        return _pair_bits(T[codes & 15], T[codes >> 4])
+        return pair_bits(T[codes & 15], T[codes >> 4])
 
     Tp = sqrt_rn(T_v) if cfg["v_rounding"].startswith("update") else T_v
     t = dict(m_decode=dec(T_m), v_decode=dec(T_v), v_codebook=T_v,
-             m_adjacent=_pair_bits(T_m[:-1], T_m[1:]), v_adjacent=_pair_bits(Tp[:-1], Tp[1:]))
+             m_adjacent=pair_bits(T_m[:-1], T_m[1:]), v_adjacent=pair_bits(Tp[:-1], Tp[1:]))
     def lut(moment, bounds):   # a too-dense codebook's error names it
         try:
-            return _bucket_lut(bounds)
+            return bucket_lut(bounds)
         except ValueError as e:
             raise ValueError(f"{moment}_codebook {cfg[moment + '_codebook']!r}: {e}") from None
 

@@ -46,7 +46,7 @@ def round_to_bf16(w, rule="rtn", u=None):
     return (out >> 16).to(torch.int16).view(torch.bfloat16)
 
 
-def _correction_unit(x):
+def correction_unit(x):
     # eq. MW: 2^(E-15) and 2^(15-E) for BF16 values x (as float32), from x's exponent field,
     # raised to 16 (E >= -111) so that both are normal float32 numbers
     e = ((x.float().view(torch.int32) >> 23) & 0xFF).clamp(min=16)
@@ -59,7 +59,7 @@ def split_master(w):
     e = 0 where w is NaN or infinite."""
     x = round_to_bf16(w)
     xf = x.float()
-    _, inv_unit = _correction_unit(xf)
+    _, inv_unit = correction_unit(xf)
     y = (w.float() - xf) * inv_unit                  # exact: a power-of-two multiple
     y = torch.where(y == y, y, torch.zeros_like(y))
     return x, torch.round(y).clamp(-127, 127).to(torch.int8)
@@ -69,7 +69,7 @@ def join_master(x, e):
     """Inverse of split_master: float32 w = x + e 2^(E-15) (eq. MW), exact; x bfloat16, e int8
     of one shape."""
     xf = x.float()
-    unit, _ = _correction_unit(xf)
+    unit, _ = correction_unit(xf)
     return xf + e.float() * unit
 
 
@@ -98,7 +98,7 @@ def read_param(param, correction=None):
 # ============================================================================================
 
 
-def _write_step(param, w, corr, rule, u_p, gen, span=None):
+def write_step(param, w, corr, rule, u_p, gen, span=None):
     # the step's parameter write (write_param); the BF16 SR uniforms come after m's and v's (span:
     # an FSDP2 shard's place in its whole tensor, sr_bits.span_uniforms)
     if rule == "sr" and param.dtype == torch.bfloat16 and corr is None and u_p is None:
@@ -118,7 +118,7 @@ def _bf16_bits(w, u, SR: tl.constexpr):
 
 
 @triton.jit
-def _join_master(x, e):
+def tl_join_master(x, e):
     # join_master: x + e 2^(E-15) (eq. MW), exact in float32
     eb = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 16)
     return x + e.to(tl.float32) * ((eb - 15) << 23).to(tl.float32, bitcast=True)
@@ -136,7 +136,7 @@ def _split_master(w, xbits):
 
 
 @triton.jit
-def _param_bits16(w, u, corr, mask, P_KIND: tl.constexpr, P_SR: tl.constexpr, P_CORR: tl.constexpr):
+def param_bits16(w, u, corr, mask, P_KIND: tl.constexpr, P_SR: tl.constexpr, P_CORR: tl.constexpr):
     # write_param for a 16-bit parameter (P_KIND 1: BF16, 2: FP16): the new weight's 16-bit
     # pattern in the low half of an int32, the caller stores it; with P_CORR (BF16, eq. MW) e is
     # stored here at the pointers `corr`. u: the SR uniforms (P_SR).

@@ -13,7 +13,7 @@ taken outside capture, so that step must have been taken with the gradients the 
 (lr.fill_(value)); anything else is a RuntimeError saying which (outside capture a float lr is
 copied to the device each step). Outside a capture, on CUDA, a
 replay runs as one CUDA graph (host time ~0.1 ms per step), captured again when the gradients
-move. The bias corrections are a float64 table per (betas, weight_decay), _bias_table, rebuilt
+move. The bias corrections are a float64 table per (betas, weight_decay), capturable_bias_table, rebuilt
 with the plan when they change: a momentum schedule (OneCycleLR's cycle_momentum) rebuilds it
 every step and is slow here, though still correct.
 """
@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import torch
 
-from lowbit.optim.fp32 import _fp32_loop, _fused_fp32_args, _fused_fp32_group, _split_fp32
-from lowbit.optim.launch import _bias_table, _triton_regrad
-from lowbit.optim.args import _group_hparams
-from lowbit.optim.state import DTensor, _drop_local_grads, _local_params
-from lowbit.optim.sr_bits import _seed_of_step, _seed_term
+from lowbit.optim.fp32 import fp32_loop, fused_fp32_args, fused_fp32_group, split_fp32
+from lowbit.optim.launch import capturable_bias_table, triton_regrad
+from lowbit.optim.args import group_hparams
+from lowbit.optim.state import DTensor, drop_local_grads, local_params
+from lowbit.optim.sr_bits import step_seed, seed_base
 
 
 class PlanKey(NamedTuple):
@@ -81,14 +81,14 @@ def replay_or_new_plan(opt, capturing):
     grads = [p.grad for p in params]
     views = opt._local_views
     if views:   # FSDP2: the plan runs on the local tensors
-        params, grads = _local_params(params, grads, views)
+        params, grads = local_params(params, grads, views)
     gptrs = tuple([0 if g is None or g.layout is not torch.strided else g.data_ptr() for g in grads])
     key = plan_key(opt, interp, params, grads)
     plan = opt._plan
     if plan is not None and plan["key"] == key and (
             gptrs == plan["grads"] or plan["layout"] == layout_key(params, grads)):
         replay(opt, plan, grads, gptrs, capturing)
-        _drop_local_grads(views)
+        drop_local_grads(views)
         return None
     if capturing:
         raise RuntimeError("AdamW4bit(capturable=True): step() under CUDA graph capture repeats the "
@@ -114,18 +114,18 @@ def run_group(opt, plan, gi, group, hp, fp32, launches, fused_devices):
     items; launches: (t, prepared launch, its (param, state, index) items, the launch function);
     fused_devices: where FP32 parameters take torch's fused AdamW."""
     device = next((p.device for p in group["params"] if p.grad is not None), None)
-    by_t, loop = _split_fp32(fp32, fused_devices)
-    _fp32_loop(loop, 0, hp, opt.qcfg["param_rounding"], opt.seed)
+    by_t, loop = split_fp32(fp32, fused_devices)
+    fp32_loop(loop, 0, hp, opt.qcfg["param_rounding"], opt.seed)
     lr = device_lr(opt, gi, group, device) if opt.capturable and by_t else None
-    fused = [(t, _fused_fp32_args(its, lr)) for t, its in by_t.items()]
+    fused = [(t, fused_fp32_args(its, lr)) for t, its in by_t.items()]
     for t, a in fused:        # the host's t and lr at this step, as without a plan
-        _fused_fp32_group(dict(a, lr=None), t, *hp)
+        fused_fp32_group(dict(a, lr=None), t, *hp)
     gplan = dict(group=group, index=gi, device=device, fused=fused, loop=loop, launches=[])
     plan["groups"].append(gplan)
     for t, launch, items, run in launches:
         if opt.capturable:
             launch["dev"] = device_args(opt, gi, group, items[0][1], device)
-        run(launch, *hp, t, _seed_of_step(opt.seed, t))
+        run(launch, *hp, t, step_seed(opt.seed, t))
         gplan["launches"].append((t, launch, [p for p, _, _ in items], run))
 
 
@@ -149,7 +149,7 @@ def replay(opt, plan, grads, gptrs, capturing=False):
                             "AdamW4bit(capturable=True): the gradients are at other addresses than "
                             "at the last step() outside CUDA graph capture; keep them in place "
                             "(zero_grad(set_to_none=False)) or take a step() with them first")
-                    _triton_regrad(launch, gs)
+                    triton_regrad(launch, gs)
     if not opt.capturable:
         for st in plan["states"]:
             st["step"] += 1
@@ -180,13 +180,13 @@ def launch_plan(opt, plan, k):
     for gplan in plan["groups"]:
         group = gplan["group"]
         # capturable launches read lr on the device (and the loop, eager only, reads it here)
-        hp = _group_hparams(group) if not opt.capturable or gplan["loop"] else \
+        hp = group_hparams(group) if not opt.capturable or gplan["loop"] else \
             (0.0, *group["betas"], group["eps"], group["weight_decay"])
         for t, a in gplan["fused"]:
-            _fused_fp32_group(a, t + k, *hp)
-        _fp32_loop(gplan["loop"], k, hp, rule, opt.seed)
+            fused_fp32_group(a, t + k, *hp)
+        fp32_loop(gplan["loop"], k, hp, rule, opt.seed)
         for t, launch, _, run in gplan["launches"]:
-            run(launch, *hp, t + k, _seed_of_step(opt.seed, t + k))
+            run(launch, *hp, t + k, step_seed(opt.seed, t + k))
 
 
 def device_lr(opt, index, group, device, capturing=False):
@@ -208,7 +208,7 @@ def device_lr(opt, index, group, device, capturing=False):
 
 
 def device_args(opt, index, group, state, device):
-    # a capturable launch's device arguments (_launch_scalars): the step counter of its
+    # a capturable launch's device arguments (launch_scalars): the step counter of its
     # tensors (one t per launch), lr, the bias-correction table of the group's betas and wd
     b1, b2 = group["betas"]
     key = ("bias", b1, b2, group["weight_decay"], device)
@@ -216,6 +216,6 @@ def device_args(opt, index, group, state, device):
     if bias is None:   # betas or wd changed (e.g. OneCycleLR's cycle_momentum): a new table
         for k in [k for k in opt._device_bufs if k[0] == "bias"][:-3]:
             del opt._device_bufs[k]           # keep the last few, not one per step
-        bias = opt._device_bufs[key] = _bias_table(b1, b2, group["weight_decay"]).to(device)
+        bias = opt._device_bufs[key] = capturable_bias_table(b1, b2, group["weight_decay"]).to(device)
     return dict(step=state["step"], lr=device_lr(opt, index, group, device), bias=bias,
-                rows=bias.shape[0], seed_term=_seed_term(opt.seed))
+                rows=bias.shape[0], seed_term=seed_base(opt.seed))

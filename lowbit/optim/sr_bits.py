@@ -28,29 +28,28 @@ SEED_MOD = 2 ** 31 - 1        # a prime: the terms below never cancel to a share
 SEED_MULT = 1_000_003         # the run seed's multiplier
 STEP_MULT = 65_537            # the step's
 INDEX_MULT = 257              # the parameter index's
-_SEED_MOD = SEED_MOD
 _SEED_MOD_TL = tl.constexpr(SEED_MOD)
 _STEP_MULT_TL = tl.constexpr(STEP_MULT)
 
 
-def _seed_term(seed):
-    """The step-free part of _seed_of_step (a capturable step adds t * STEP_MULT on the device)."""
+def seed_base(seed):
+    """The step-free part of step_seed (a capturable step adds t * STEP_MULT on the device)."""
     return seed * SEED_MULT % SEED_MOD
 
 
-def _seed_of_step(seed, t):
+def step_seed(seed, t):
     """The step's term of every tensor's SR seed at step t."""
-    return (_seed_term(seed) + t * STEP_MULT) % SEED_MOD
+    return (seed_base(seed) + t * STEP_MULT) % SEED_MOD
 
 
-def _seed_of_index(index):
+def index_seed(index):
     """The parameter's term of its SR seed (the kernels' launch tables hold it per tensor)."""
     return index * INDEX_MULT % SEED_MOD
 
 
-def _sr_seed(seed, t, index):
+def sr_seed_of(seed, t, index):
     """The SR seed of parameter `index` at step t (the reference steps' generator seed)."""
-    return (_seed_of_step(seed, t) + _seed_of_index(index)) % SEED_MOD
+    return (step_seed(seed, t) + index_seed(index)) % SEED_MOD
 
 
 class ShardIndex(int):
@@ -91,19 +90,19 @@ def span_uniforms(shape, generator, device, span=None):
 
 
 @triton.jit
-def _tl_seed_of_step(seed_term, t):
-    # _seed_of_step on the device, from _seed_term(seed) and the step counter t (int64)
+def tl_step_seed(seed_term, t):
+    # step_seed on the device, from seed_base(seed) and the step counter t (int64)
     return (seed_term + t * _STEP_MULT_TL) % _SEED_MOD_TL
 
 
 @triton.jit
-def _tl_sr_seed(seed_of_step, seed_of_index):
-    # _sr_seed from its two terms (the step's argument and the launch table's column)
+def tl_sr_seed(seed_of_step, seed_of_index):
+    # sr_seed_of from its two terms (the step's argument and the launch table's column)
     return (seed_of_step + seed_of_index) % _SEED_MOD_TL
 
 
 @triton.jit
-def _uniforms(seed, byte, stream):
+def sr_uniforms(seed, byte, stream):
     # SR uniforms for two consecutive tiles: Philox4x32 with 7 rounds (Random123's
     # crush-resistant minimum; default 10) at counter (byte index in the first tile with bit 5
     # removed, stream). A thread holds bytes b and b + 32 of a tile row, so the compiler computes
@@ -124,23 +123,23 @@ def _uniforms(seed, byte, stream):
 
 @triton.jit
 def _uniforms_at(seed, byte, stream, HALF: tl.constexpr):
-    # _uniforms of one tile's bytes wherever the tile starts: the (even, odd element) uniforms
+    # sr_uniforms of one tile's bytes wherever the tile starts: the (even, odd element) uniforms
     # that byte `byte` of the whole tensor gets in an unsharded launch, where tiles of HALF bytes
     # pair from the tensor's start, tile 2k's byte x taking q0, q1 and tile 2k + 1's byte x + HALF
     # q2, q3 of the call at x. An FSDP2 shard whose first block is not at such a pair's start
-    # pairs its tiles otherwise, so each tile makes its own call (twice _uniforms' Philox work).
+    # pairs its tiles otherwise, so each tile makes its own call (twice sr_uniforms' Philox work).
     # HALF is a multiple of 64, so the byte keeps its place in the call (bits 0-5).
     upper = (byte // HALF) & 1
-    q0, q1, q2, q3 = _uniforms(seed, byte - upper * HALF, stream)
+    q0, q1, q2, q3 = sr_uniforms(seed, byte - upper * HALF, stream)
     return tl.where(upper == 1, q2, q0), tl.where(upper == 1, q3, q1)
 
 
 @triton.jit
 def _pair_uniforms(seed, byte, stream, PAIRED: tl.constexpr, HALF: tl.constexpr):
-    # _uniforms of tiles f and f + NB from the global byte index of tile f's bytes: one call
+    # sr_uniforms of tiles f and f + NB from the global byte index of tile f's bytes: one call
     # when tile f is the first of an unsharded launch's pair (PAIRED), else _uniforms_at per tile
     if PAIRED:
-        u0, u1, u2, u3 = _uniforms(seed, byte, stream)
+        u0, u1, u2, u3 = sr_uniforms(seed, byte, stream)
     else:
         u0, u1 = _uniforms_at(seed, byte, stream, HALF)
         u2, u3 = _uniforms_at(seed, byte + HALF, stream, HALF)
@@ -148,7 +147,7 @@ def _pair_uniforms(seed, byte, stream, PAIRED: tl.constexpr, HALF: tl.constexpr)
 
 
 @triton.jit
-def _uniform(seed, i, stream):
+def sr_uniform(seed, i, stream):
     # one uniform per element i (int64, the position in the whole tensor) for the FP32-state
     # kernel's SR write: 16 bits of one Philox4x32-7 call at counter (i, stream), u = (k + 1/2) 2^-16
     lo = i.to(tl.uint32)
@@ -158,7 +157,7 @@ def _uniform(seed, i, stream):
 
 
 @triton.jit
-def _tile_uniforms(seed, u_m, u_v, u_p, f, off, pair, lim_f, lim_g, M_SR: tl.constexpr, V_SR: tl.constexpr,
+def tile_uniforms(seed, u_m, u_v, u_p, f, off, pair, lim_f, lim_g, M_SR: tl.constexpr, V_SR: tl.constexpr,
                    P_SR: tl.constexpr, HAS_U: tl.constexpr, PAIRED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    NB: tl.constexpr):
     # The SR uniforms of the 4-bit kernel's two tiles f and g = f + NB, as even and odd halves:

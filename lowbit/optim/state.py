@@ -35,10 +35,10 @@ except ImportError:
 # tensor: nothing is gathered. A parameter stepped on its local tensor (all but the gathered ones)
 # keeps one alias of it, the same object every step, so step() records and replays its plan as for
 # plain tensors: each step only points the aliases' .grad at the gradients' local tensors
-# (_local_params), which FSDP2 allocates anew each step.
+# (local_params), which FSDP2 allocates anew each step.
 
 
-def _is_dtensor(x):
+def is_dtensor(x):
     return DTensor is not None and isinstance(x, DTensor)
 
 
@@ -53,7 +53,7 @@ def _rows_of_blocks(p, block_size):
     return _block_rows(p, block_size) and all(pl.is_replicate() or pl.is_shard(0) for pl in p.placements)
 
 
-_PACKED = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+PACKED = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
 def _per_row(p, st, block_size):
@@ -61,9 +61,9 @@ def _per_row(p, st, block_size):
     blocks: (rows, row_numel / 2) codes and (rows, row_numel / block_size) scales, views of the
     flat tensors the step uses. FSDP2 keeps these states in that layout (sharded by rows), so a
     checkpoint has one layout and DCP moves it between unwrapped and fully_shard models."""
-    if _is_dtensor(p) or "exp_avg_scale" not in st or st["exp_avg"].dim() != 1 or not _block_rows(p, block_size):
+    if is_dtensor(p) or "exp_avg_scale" not in st or st["exp_avg"].dim() != 1 or not _block_rows(p, block_size):
         return st
-    return dict(st, **{k: st[k].view(p.shape[0], -1) for k in _PACKED})
+    return dict(st, **{k: st[k].view(p.shape[0], -1) for k in PACKED})
 
 
 def _local_state(p, shape, local_rows, dtype, replicated):
@@ -95,7 +95,7 @@ def _local_step_view(p, st, quantized, layout, views):
     reused while p keeps its local tensor; or, gathered, the all-gathered tensor (a collective:
     every rank calls it in the same order). state: plain tensors aliasing st's local states,
     flat for the quantized ones (the step's layout). The caller copies replaced states and a
-    gathered param's shard back with _write_back."""
+    gathered param's shard back with write_back."""
     gathered = layout[0]
     if gathered:
         lp = p.full_tensor()
@@ -111,7 +111,7 @@ def _local_step_view(p, st, quantized, layout, views):
     return lp, local, gathered
 
 
-def _write_back(p, st, lp, local, gathered, box):
+def write_back(p, st, lp, local, gathered, box):
     """After the step on _local_step_view's (lp, local): copy the states that the step replaced
     (the reference step stores new tensors) into st's local tensors, and a gathered param's own
     shard (box: its local shape and global offset) into p."""
@@ -124,7 +124,7 @@ def _write_back(p, st, lp, local, gathered, box):
         p.to_local().copy_(lp[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
-def _local_params(params, grads, views):
+def local_params(params, grads, views):
     """FSDP2: the parameters and gradients that step()'s plan key and replay see. Every DTensor
     parameter with a local alias in `views` (_local_step_view) becomes its local tensor and its
     gradient the gradient's local tensor, which also becomes the alias's .grad (a recorded plan
@@ -140,7 +140,7 @@ def _local_params(params, grads, views):
     return params, grads
 
 
-def _drop_local_grads(views):
+def drop_local_grads(views):
     # after a step: no reference to FSDP2's gradients outlives zero_grad (their memory is reused)
     for _, lp in views.values():
         lp.grad = None
@@ -152,14 +152,14 @@ def _drop_local_grads(views):
 def init_state(opt, p, group=None):
     """The zero states of p at its first step (AdamW4bit._init_state)."""
     st = opt.state[p]
-    if opt.capturable and _is_dtensor(p):
+    if opt.capturable and is_dtensor(p):
         raise ValueError("capturable=True does not support FSDP2 (DTensor) parameters; use "
                          "capturable=False with fully_shard")
     # a Python number: no tensor op per parameter and step; capturable: a float32 tensor on
     # p's device, advanced by the step itself (one _foreach_add_ for all)
     st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if opt.capturable else 0.0
     q = opt.is_quantized(p, group)
-    if q and _is_dtensor(p):   # FSDP2: see _local_step_view
+    if q and is_dtensor(p):   # FSDP2: see _local_step_view
         B, rows = opt.qcfg["block_size"], p.shape[0]
         sharded = _rows_of_blocks(p, B)
         shapes = ((rows, p.numel() // rows // 2), (rows, p.numel() // rows // B)) if sharded else \
@@ -177,7 +177,7 @@ def init_state(opt, p, group=None):
         st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
     if opt.qcfg["master_weight_bits"] and p.dtype == torch.bfloat16:
-        if _is_dtensor(p):   # the gathered step would pair a full weight with a shard's bytes
+        if is_dtensor(p):   # the gathered step would pair a full weight with a shard's bytes
             raise ValueError("master_weight_bits=24 does not support FSDP2 (DTensor) parameters; "
                              "use master_weight_bits=None (param_rounding='sr' works) or DDP")
         # eq. MW with e = 0: the master weight starts as the BF16 weight
@@ -281,7 +281,7 @@ def load_state_dict(opt, state_dict):
         st = state_dict["state"].get(pid, {})
         for k, t in st.items():
             if k != "step" and torch.is_tensor(t):
-                if k in _PACKED and "exp_avg_scale" in st and not _is_dtensor(p):
+                if k in PACKED and "exp_avg_scale" in st and not is_dtensor(p):
                     t = t.reshape(-1)   # per-row codes and scales (_per_row): the step's flat layout
                 opt.state[p][k] = t.detach().to(device=p.device).clone()
         if "step" in opt.state[p]:
@@ -316,7 +316,7 @@ def step_state(opt, p, group, index):
     if p.grad.dtype not in KERNEL_DTYPES:
         raise TypeError(f"AdamW4bit: the gradient of parameter {index} (shape {tuple(p.shape)}) "
                         f"is {p.grad.dtype}; allowed: float32, bfloat16, float16")
-    if not _is_dtensor(p):
+    if not is_dtensor(p):
         fit_state(opt, p, st)
     return st
 
@@ -325,7 +325,7 @@ def local_step(opt, p, st, quantized, index, writeback):
     """FSDP2: what the step works on for DTensor parameter p (_local_step_view, its layout cached
     per parameter): (param, state, seed index, gathered), the seed index a sr_bits.ShardIndex
     (p's `index` with the stepped tensor's place in p); the copy back after the step is appended
-    to `writeback` (arguments of _write_back)."""
+    to `writeback` (arguments of write_back)."""
     layout = opt._shard_layouts.get(id(p))
     if layout is None:
         layout = opt._shard_layouts[id(p)] = _shard_layout(p, quantized, opt.qcfg["block_size"])
@@ -337,7 +337,7 @@ def local_step(opt, p, st, quantized, index, writeback):
 def state_nbytes(opt):
     """AdamW4bit.state_nbytes: the bytes of every state tensor but the step counters (a DTensor's
     local part)."""
-    local = lambda t: t.to_local() if _is_dtensor(t) else t   # noqa: E731
+    local = lambda t: t.to_local() if is_dtensor(t) else t   # noqa: E731
     return sum(local(t).numel() * t.element_size() for st in opt.state.values()
                for k, t in st.items() if k != "step" and torch.is_tensor(t))
 

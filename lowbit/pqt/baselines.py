@@ -10,10 +10,10 @@ import triton.language as tl
 
 from lowbit.philox import philox_words, philox_words_torch
 from lowbit.pqt.packing import pack_noise
-from lowbit.pqt.tl import _cast, _interleave8
+from lowbit.pqt.tl import tl_cast, tl_interleave8
 
 
-def _gen_diffq_torch(m, n, seed):
+def gen_diffq_torch(m, n, seed):
     """16 random bits per element -> U(-0.5, 0.5), exact in fp32, then BF16."""
     n8 = -(-n // 8)
     idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
@@ -26,7 +26,7 @@ def _gen_diffq_torch(m, n, seed):
 @triton.jit
 def _u16(h):
     """16 random bits -> U(-0.5, 0.5), exact in float32, then BF16 (DiffQ noise)."""
-    return _cast((h.to(tl.float32) + 0.5) * 0.0000152587890625 - 0.5, tl.bfloat16)   # 2^-16
+    return tl_cast((h.to(tl.float32) + 0.5) * 0.0000152587890625 - 0.5, tl.bfloat16)   # 2^-16
 
 
 @triton.jit
@@ -43,17 +43,17 @@ def _diffq_offsets(pid, M, N, N8, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gen_diffq_kernel(out_ptr, seed_ptr, M, N, N8, BLOCK: tl.constexpr):
+def gen_diffq_kernel(out_ptr, seed_ptr, M, N, N8, BLOCK: tl.constexpr):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     r0, r1, r2, r3 = philox_words(seed_ptr, p)
     # element 8p + 2i + L takes the 16-bit half L of word r_i
-    u = _interleave8(_u16(r0 & 0xFFFF), _u16(r0 >> 16), _u16(r1 & 0xFFFF), _u16(r1 >> 16),
+    u = tl_interleave8(_u16(r0 & 0xFFFF), _u16(r0 >> 16), _u16(r1 & 0xFFFF), _u16(r1 >> 16),
                      _u16(r2 & 0xFFFF), _u16(r2 >> 16), _u16(r3 & 0xFFFF), _u16(r3 >> 16))
     offs, mask = _diffq_offsets(tl.program_id(0), M, N, N8, BLOCK)
     tl.store(out_ptr + offs, u, mask=mask)
 
 
-def _gen_bm_torch(m, n, seed):
+def gen_bm_torch(m, n, seed):
     """Two Philox calls per packed word (counters 2p, 2p+1), Box–Muller, R = round(z/2)."""
     n8 = -(-n // 8)
     idx = torch.arange(m * n8, device=seed.device, dtype=torch.int64)
@@ -86,7 +86,7 @@ def _bm_nib(z):
 
 
 @triton.jit
-def _gen_bm_kernel(out_ptr, seed_ptr, n_words, BLOCK: tl.constexpr):
+def gen_bm_kernel(out_ptr, seed_ptr, n_words, BLOCK: tl.constexpr):
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     packed = p.to(tl.uint32) * 0
     for a in tl.static_range(2):

@@ -18,34 +18,34 @@ MEMORY_MODES = ("save", "recompute")
 W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # weight dtypes the kernels read
 
 
-def _check_choice(name, value, allowed):
+def check_choice(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
 
 
-def _check_dtype(dtype, name):
+def check_dtype(dtype, name):
     if dtype not in W_DTYPES:
         raise TypeError(f"{name} has dtype {dtype}; allowed: float32, bfloat16, float16")
 
 
-def _check_weight(w, name="w"):
+def check_weight(w, name="w"):
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
     if w.dim() != 2:
         raise ValueError(f"{name} must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
     if w.numel() == 0:
         raise ValueError(f"{name} has shape {tuple(w.shape)}: it must have at least one element")
-    _check_dtype(w.dtype, name)
+    check_dtype(w.dtype, name)
     if w.numel() >= 2 ** 31:
         raise ValueError(f"{name} has {w.numel()} elements; at most 2**31 - 1 are supported")
 
 
-def _check_out_dtype(out_dtype):
+def check_out_dtype(out_dtype):
     if out_dtype not in W_DTYPES:
         raise TypeError(f"out_dtype={out_dtype!r}; allowed: torch.float32, torch.bfloat16, torch.float16")
 
 
-def _check_tiles(t, w, name):
+def check_tiles(t, w, name):
     want = tile_grid(*w.shape)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {want}, got {type(t).__name__}")
@@ -58,12 +58,12 @@ def _check_tiles(t, w, name):
         raise ValueError(f"{name} is on {t.device} and the weight on {w.device}: they must be on the same device")
 
 
-def _check_fused(fused, fn=""):
+def check_fused(fused, fn=""):
     if not isinstance(fused, bool):
         raise TypeError(f"{fn + ': ' if fn else ''}fused={fused!r} must be True or False")
 
 
-def _check_seed(seed, also=""):
+def check_seed(seed, also=""):
     """The one seed rule of every API: an int (not bool) in [0, 2**63) (an int64 Philox key)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int in [0, 2**63){also}, got {type(seed).__name__} {seed!r}")
@@ -76,14 +76,14 @@ _SEED_CACHE = {}        # (device, seed) -> int64 tensor [seed, 0] on that devic
 _SEED_CACHE_SIZE = 256
 
 
-def _seed_tensor(seed, device):
+def seed_tensor(seed, device):
     """int seed s -> int64 tensor [s, 0] (key s, call counter 0); an int64 tensor [key, counter]
     passes through (moved to `device`). On a GPU the int's tensor is made by two fill kernels (the
     value travels as a kernel argument) and cached: torch.tensor([s, 0], device=...) would be a
     blocking host-to-device copy at every call. Not cached while a CUDA graph is being captured
     (the tensor would live in the graph's memory pool)."""
     if not isinstance(seed, torch.Tensor):
-        _check_seed(seed, also=" or an int64 tensor [key, counter]")
+        check_seed(seed, also=" or an int64 tensor [key, counter]")
         device = torch.device(device)
         if device.type == "cpu" or torch.compiler.is_compiling():   # compiled: a graph constant
             return torch.tensor([seed, 0], dtype=torch.int64, device=device)
@@ -106,8 +106,8 @@ def _seed_tensor(seed, device):
     return seed.to(device)
 
 
-def _resolve_impl(impl, t):
-    _check_choice("impl", impl, IMPLS)
+def resolve_impl(impl, t):
+    check_choice("impl", impl, IMPLS)
     if impl == "auto":
         return "triton" if t.is_cuda else "torch"
     if impl == "triton" and t.device.type not in ("cuda", "cpu"):   # meta: Triton reads the data
@@ -119,20 +119,20 @@ def _resolve_impl(impl, t):
     return impl
 
 
-def _check_module(model, fn):
+def check_module(model, fn):
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}: model must be a torch.nn.Module, got {type(model).__name__}")
 
 
-def _check_sample_args(w, b_t, method, impl, fused, name="b_t"):
-    _check_choice("method", method, METHODS)
-    _check_fused(fused)
-    _check_weight(w)
-    _check_tiles(b_t, w, name)
-    return _resolve_impl(impl, w)
+def check_sample_args(w, b_t, method, impl, fused, name="b_t"):
+    check_choice("method", method, METHODS)
+    check_fused(fused)
+    check_weight(w)
+    check_tiles(b_t, w, name)
+    return resolve_impl(impl, w)
 
 
-def _check_input(x, w, bias):
+def check_input(x, w, bias):
     """x (..., n) and bias (m,) or None for a weight w (m, n): floating tensors on w's device."""
     for name, t in (("x", x), ("bias", bias)):
         if name == "bias" and t is None:
@@ -140,7 +140,7 @@ def _check_input(x, w, bias):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor{' or None' if name == 'bias' else ''}, "
                             f"got {type(t).__name__}")
-        _check_dtype(t.dtype, name)
+        check_dtype(t.dtype, name)
         if t.device != w.device:
             raise ValueError(f"{name} is on {t.device} and the weight on {w.device}: they must be on the same device")
     if x.dim() == 0 or x.shape[-1] != w.shape[1]:
@@ -149,7 +149,7 @@ def _check_input(x, w, bias):
         raise ValueError(f"bias has shape {tuple(bias.shape)}; w {tuple(w.shape)} needs ({w.shape[0]},)")
 
 
-def _check_shape(shape):
+def check_shape(shape):
     """`generate_noise`'s shape: (m, n), two ints >= 1, m·n < 2**31. Returns (m, n) as ints."""
     if (not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2
             or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 for v in shape)):
@@ -160,7 +160,7 @@ def _check_shape(shape):
     return m, n
 
 
-def _check_noise(noise, w, method):
+def check_noise(noise, w, method):
     """`apply_noise`'s noise for a weight w (m, n): int32 (m, ceil(n/8)) for "gaussws", floating
     (m, n) for "diffq", on w's device."""
     m, n = w.shape
@@ -176,19 +176,19 @@ def _check_noise(noise, w, method):
         raise ValueError(f"noise is on {noise.device} and w on {w.device}: they must be on the same device")
 
 
-def _check_layer_args(in_features, out_features, method, memory, impl, fused, dtype):
+def check_layer_args(in_features, out_features, method, memory, impl, fused, dtype):
     """GaussWSLinear's constructor arguments (b_init, b_target and seed have their own checks)."""
-    _check_choice("method", method, METHODS)
-    _check_choice("memory", memory, MEMORY_MODES)
-    _check_choice("impl", impl, IMPLS)
-    _check_fused(fused, "GaussWSLinear")
+    check_choice("method", method, METHODS)
+    check_choice("memory", memory, MEMORY_MODES)
+    check_choice("impl", impl, IMPLS)
+    check_fused(fused, "GaussWSLinear")
     for name, v in (("in_features", in_features), ("out_features", out_features)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be an int >= 1 (an empty weight has no tiles to sample)")
-    _check_dtype(dtype if dtype is not None else torch.get_default_dtype(), "GaussWSLinear weight")
+    check_dtype(dtype if dtype is not None else torch.get_default_dtype(), "GaussWSLinear weight")
 
 
-def _check_layer_dtypes(layer, w):
+def check_layer_dtypes(layer, w):
     """A layer's weight w and b_i at a training forward: TypeError if w was cast to a dtype the
     kernels do not read; a warning (once per layer) if b_i was cast to 16 bits."""
     if w.dtype not in W_DTYPES:

@@ -7,8 +7,8 @@ import math
 import torch
 
 from gaussws import B_MAX, B_MIN, pqt_layers
-from lowbit.pqt.checks import _check_module
-from lowbit.pqt.tiles import TILE, _broadcast_tiles, tile_grid
+from lowbit.pqt.checks import check_module
+from lowbit.pqt.tiles import TILE, broadcast_tiles, tile_grid
 
 
 # ==============================================================================================
@@ -59,7 +59,7 @@ def bitwidth_stats(model):
     (`fp_tier`), the share_le keys are the FP_TIERS limits.
     Raises TypeError if model is not an nn.Module and ValueError if it has no GaussWSLinear layer
     (statistics of no tiles are undefined; train.py only calls it after apply_pqt replaced some)."""
-    _check_module(model, "bitwidth_stats")
+    check_module(model, "bitwidth_stats")
     layers = pqt_layers(model)
     if not layers:
         raise ValueError(f"bitwidth_stats: model {type(model).__name__} has no GaussWSLinear layer "
@@ -118,7 +118,7 @@ def cast_fp(x, exp_bits, man_bits, inf_nan=True):
 
 def _tile_grid_of(t, m, n):
     """Broadcast a per-tile tensor (ceil(m/32), ceil(n/32)) to (m, n) (broadcast_32 of eq. 3)."""
-    return _broadcast_tiles(t, m, n)
+    return broadcast_tiles(t, m, n)
 
 
 def cast_tiles(w, exp_bits, man_bits):

@@ -1,4 +1,4 @@
-"""How gaussws.py's sampling reaches its kernels: eager launches or torch.compile's (`_launch`), the
+"""How gaussws.py's sampling reaches its kernels: eager launches or torch.compile's (`kernel_launcher`), the
 torch.library ops gaussws::pqn_sample / pqn_grad / next_seed that torch.compile traces, and the
 per-call seed of a layer with the checks that keep activation checkpointing from reusing the
 wrong one (§3.6 of paper A: one Philox stream per layer call).
@@ -25,7 +25,7 @@ from torch.library import triton_op, wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
-def _launch(kernel):
+def kernel_launcher(kernel):
     """The kernel itself in eager code (Triton's own launcher); wrap_triton(kernel) while
     torch.compile traces a triton_op (a dispatch mode is active), so Inductor records the kernel
     in its graph. wrap_triton in eager code would add a dispatch, costlier than the launch itself,
@@ -33,7 +33,7 @@ def _launch(kernel):
     return kernel if _get_current_dispatch_mode() is None else wrap_triton(kernel)
 
 
-def _register_sample_ops(sample_impl, grad_impl, setup_context, backward):
+def register_sample_ops(sample_impl, grad_impl, setup_context, backward):
     """gaussws::pqn_sample (differentiable: `backward`, `setup_context`) and gaussws::pqn_grad as
     triton ops of gaussws.py's plain functions; returns the two ops."""
     sample = triton_op("gaussws::pqn_sample", mutates_args=())(sample_impl)
@@ -63,14 +63,14 @@ def _next_seed_impl(state: torch.Tensor) -> torch.Tensor:
         state[1] += 1
         return seed
     seed = torch.empty_like(state)
-    _launch(_next_seed_kernel)[(1,)](state, seed)
+    kernel_launcher(_next_seed_kernel)[(1,)](state, seed)
     return seed
 
 
 _next_seed_op = triton_op("gaussws::next_seed", mutates_args=("state",))(_next_seed_impl)
 
 
-def _layer_seed(layer):
+def layer_seed(layer):
     """The seed [key, t] of a GaussWSLinear call (`GaussWSLinear._next_seed`): in eval mode the
     current state, unchanged; in a training forward the state before advancing t; inside a
     backward (torch.utils.checkpoint re-running the forward) the last call's seed again, tagged so
@@ -100,13 +100,13 @@ def _layer_seed(layer):
 
 
 
-def _call_of(seed):
+def call_of(seed):
     """The (layer name, call number) an eager GaussWSLinear forward tagged its seed tensor with;
     None for other seeds (plain tensors, traced ones under torch.compile)."""
     return getattr(seed, "_gaussws_call", None)
 
 
-def _check_recomputed_call(call, seed):
+def check_recomputed_call(call, seed):
     """Backward of a layer call: the seed it regenerates R from must be that call's. Under
     torch.utils.checkpoint (use_reentrant=False) the saved seed is the one the recomputation drew,
     the layer's last seed (see `GaussWSLinear._next_seed`); it is another call's when the layer ran
@@ -141,7 +141,7 @@ def _in_backward_pass():
     return f is not None and f() != -1
 
 
-def _compute_dtype(x):
+def compute_dtype(x):
     """The dtype w_hat is made in: the autocast dtype where autocast is on (BF16 in training), else x's."""
     dev = x.device.type
     if dev != "meta" and torch.is_autocast_enabled(dev):   # meta has no autocast (asking raises)

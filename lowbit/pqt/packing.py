@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _to_int32(v):
+def to_int32(v):
     """int64 tensor with uint32 values -> int32 with the same bits."""
     return torch.where(v >= 2 ** 31, v - 2 ** 32, v).to(torch.int32)
 
@@ -22,7 +22,7 @@ def pack_noise(r):
     r = F.pad(r.to(torch.int64), (0, -n % 8))
     nib = r.abs().clamp_max(7) | ((r < 0).to(torch.int64) << 3)
     shifts = 4 * torch.arange(8, device=r.device)
-    return _to_int32((nib.view(m, -1, 8) << shifts).sum(-1))
+    return to_int32((nib.view(m, -1, 8) << shifts).sum(-1))
 
 
 def unpack_noise(packed, n):

@@ -13,8 +13,8 @@ import weakref
 import torch
 import torch.nn as nn
 
-from gaussws import GaussWSLinear, _check_bits, pqt_layers
-from lowbit.pqt.checks import IMPLS, MEMORY_MODES, METHODS, _check_choice, _check_dtype, _check_fused, _check_module, _check_seed
+from gaussws import GaussWSLinear, check_bits, pqt_layers
+from lowbit.pqt.checks import IMPLS, MEMORY_MODES, METHODS, check_choice, check_dtype, check_fused, check_module, check_seed
 from lowbit.pqt.export import cast_fp, cast_tiles, cast_to_tiers
 
 GPT2_PARTS = ("qkv", "out", "up", "down")
@@ -65,7 +65,7 @@ HF_PARTS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "out", "gate_
             "attn.c_proj": "out", "mlp.c_proj": "down"}
 
 
-def _parse_parts(parts):
+def parse_parts(parts):
     """-> list of part names; "all" -> ALL_PARTS (every part this model kind has), "od" -> out, down;
     a Hugging Face name (HF_PARTS) stands for its part."""
     if not isinstance(parts, str):
@@ -198,7 +198,7 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     named part the model has no linear for: the message lists the parts present; a filter that
     selects no layer, or a glob of a list that matches none: the message lists the model's linears
     and the nn.Linear subclasses it leaves alone)."""
-    _check_module(model, "apply_pqt")
+    check_module(model, "apply_pqt")
     if isinstance(model, nn.Linear) or _is_conv1d(model):
         raise ValueError(f"apply_pqt: the model is itself a linear layer ({type(model).__name__}); apply_pqt "
                          "replaces the layers inside a model: wrap it (nn.Sequential(layer)) or build a GaussWSLinear")
@@ -208,12 +208,12 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
         what = "the model" if "" in sharded else _few(sharded)
         raise ValueError(f"apply_pqt: {what} already went through fully_shard; call apply_pqt "
                          "first, then fully_shard (FSDP2 then gathers w and b_i for each layer's forward)")
-    _check_choice("method", method, METHODS)
-    _check_choice("memory", memory, MEMORY_MODES)
-    _check_choice("impl", impl, IMPLS)
-    _check_fused(fused, "apply_pqt")
-    _check_bits(b_init, b_target)
-    _check_seed(seed)
+    check_choice("method", method, METHODS)
+    check_choice("memory", memory, MEMORY_MODES)
+    check_choice("impl", impl, IMPLS)
+    check_fused(fused, "apply_pqt")
+    check_bits(b_init, b_target)
+    check_seed(seed)
     if parts is not None and modules is not None:
         raise ValueError(f"apply_pqt: give parts={parts!r} or modules={modules!r}, not both")
     if not isinstance(lm_head, bool):
@@ -230,7 +230,7 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
             if subs else "")
     if modules is None:
         parts = "all" if parts is None else parts
-        wanted = _parse_parts(parts)
+        wanted = parse_parts(parts)
         have = list(dict.fromkeys(p for p in map(_part_of, (c[0] for c in cands)) if p))
         missing = [p for p in wanted if p not in have] if parts != "all" else ([] if have else wanted)
         if missing:
@@ -261,7 +261,7 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
         chosen = {id(c[3]) for c in found}
         found = [c for c in cands if id(c[3]) in chosen]
     for name, _, _, child in found:
-        _check_dtype(child.weight.dtype, f"{name}.weight")
+        check_dtype(child.weight.dtype, f"{name}.weight")
     rng = random.Random(seed)
     # keys continue after the GaussWS layers already in the model (an earlier apply_pqt): a second
     # call must not give its layers the keys of the first call's
@@ -318,7 +318,7 @@ def _watch_optimizers():
 # ==============================================================================================
 # remove_pqt: back to plain layers
 
-def _format_of(cast):
+def format_of(cast):
     """remove_pqt's cast -> None, "tiers" or (exp_bits, man_bits); ValueError otherwise."""
     if cast is None or cast == "tiers":
         return cast
@@ -359,8 +359,8 @@ def remove_pqt(model, cast=None):
     names of the layers replaced, in module order.
     Raises TypeError (model not an nn.Module), ValueError (cast not one of those; a model
     without GaussWSLinear layers)."""
-    _check_module(model, "remove_pqt")
-    fmt = _format_of(cast)
+    check_module(model, "remove_pqt")
+    fmt = format_of(cast)
     layers = pqt_layers(model)
     if not layers or isinstance(model, GaussWSLinear):
         raise ValueError(f"remove_pqt: model {type(model).__name__} has no GaussWSLinear layer"

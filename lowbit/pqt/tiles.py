@@ -3,7 +3,7 @@ block indexing the Triton kernels share. Pure geometry: no sampling, no state.
 
 A weight (m, n) has ceil(m/32) × ceil(n/32) tiles anchored at (0, 0); edge tiles are partial when m
 or n is not a multiple of 32. The Triton kernels of gaussws.py (apply, grad, tile max) each run one
-program per 32 rows × BT tiles (`_tile_programs`) and index their block with `_tile_block`.
+program per 32 rows × BT tiles (`tile_programs`) and index their block with `tile_block`.
 """
 import triton
 import triton.language as tl
@@ -16,17 +16,17 @@ def tile_grid(m, n):
     return (-(-m // TILE), -(-n // TILE))
 
 
-def _broadcast_tiles(t, m, n):
+def broadcast_tiles(t, m, n):
     return t.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)[:m, :n]
 
 
-def _tile_programs(tm, tn, bt):
+def tile_programs(tm, tn, bt):
     """The 1-D launch grid of the tile kernels: one program per 32 rows × bt tiles."""
     return (tm * triton.cdiv(tn, bt),)
 
 
 @triton.jit
-def _tile_block(M, N, TN, BT: tl.constexpr):
+def tile_block(M, N, TN, BT: tl.constexpr):
     """Indices of one program's block: 32 rows x BT tiles of 32 columns, as (32, BT, 32) so that
     axes 0 and 2 are the inside of a tile; ti (BT,) tile columns, tidx their flat indices in the
     (ceil(M/32), TN) tile grid; mask covers partial edge tiles. Programs go along the rows of

@@ -1,5 +1,5 @@
 """Triton plumbing of gaussws.py's kernels: the NOISE codes that tell the apply and grad kernels
-where R comes from, their launch configuration (CONFIG, `_launch_config`), and small jit helpers
+where R comes from, their launch configuration (CONFIG, `launch_config`), and small jit helpers
 (lane interleave, a NaN-propagating max, float32 add and exp2 rounded as torch rounds them). No
 paper math here: the kernels themselves are gaussws.py's.
 """
@@ -25,16 +25,16 @@ NOISE_FUSED = tl.constexpr(2)    # packed GaussWS R drawn from Philox in the ker
 CONFIG = dict(gen_block=1024, gen_warps=4, apply_bt=2, apply_warps=4, grad_bt=4, grad_warps=4,
               fused_apply=(1, 1), fused_grad=(4, 4), small_grad=(4096, 1, 1))
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"   # kernels run by Triton's CPU interpreter
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"   # kernels run by Triton's CPU interpreter
 
 
-def _noise_mode(method, fused):
+def noise_mode(method, fused):
     """The NOISE code of `_noise_block` for a method and the fused flag, as a plain int (the
     kernels' constexpr argument)."""
     return (NOISE_DENSE if method == "diffq" else (NOISE_FUSED if fused else NOISE_PACKED)).value
 
 
-def _launch_config(kernel, mode, tiles):
+def launch_config(kernel, mode, tiles):
     """(BT, num_warps) of the apply or grad kernel (kernel "apply" | "grad") for a weight of
     `tiles` tiles, from CONFIG."""
     if mode != NOISE_FUSED:
@@ -45,7 +45,7 @@ def _launch_config(kernel, mode, tiles):
 
 
 @triton.jit
-def _interleave8(v0, v1, v2, v3, v4, v5, v6, v7):
+def tl_interleave8(v0, v1, v2, v3, v4, v5, v6, v7):
     """[..., k] x 8 -> [..., 8k + j] = v_j[..., k] (tl.interleave appends the lowest index bit)."""
     x0 = tl.interleave(v0, v4)
     x1 = tl.interleave(v2, v6)
@@ -55,12 +55,12 @@ def _interleave8(v0, v1, v2, v3, v4, v5, v6, v7):
 
 
 @triton.jit
-def _max_nan(a, b):
+def tl_max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _add_rn(a, b, INTERPRET: tl.constexpr):
+def tl_add_rn(a, b, INTERPRET: tl.constexpr):
     """a + b in float32, rounded on its own: never fused with the product before it into an FMA,
     which the GPU compiler does to a plain `+` (the interpreter does not fuse)."""
     if INTERPRET:
@@ -69,7 +69,7 @@ def _add_rn(a, b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _exp2(x, INTERPRET: tl.constexpr):
+def tl_exp2(x, INTERPRET: tl.constexpr):
     """2^x in float32 as torch computes it on CUDA: libdevice's exp2f, the CUDA math library's and
     what Inductor emits for torch.exp2 (on sm_90 the same ex2.approx instruction as tl.exp2; the H200
     test compares it with torch's bit for bit). The interpreter has no libdevice: numpy's exp2
@@ -80,7 +80,7 @@ def _exp2(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _cast(x, dtype: tl.constexpr):
+def tl_cast(x, dtype: tl.constexpr):
     """float32 -> dtype with round-to-nearest-even. BF16 is rounded on the bits
     (numerics.tl_bf16_rne_bits: the GPU's cvt.rn gives the same bits; Triton's interpreter would
     truncate), and every NaN becomes 0x7FC0, as torch's cast makes it (the references cast with torch)."""
