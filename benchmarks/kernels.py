@@ -10,6 +10,7 @@ import torch
 
 import adam4bit as A
 import gaussws as g
+from lowbit.pqt.tiles import tile_grid
 
 from benchmarks.util import copy_bandwidth, host_ms, median_ms, power_during
 
@@ -216,7 +217,7 @@ def torch_eq3(w, b_t):
 
 def _noise_inputs(m, n):
     w = torch.randn(m, n, device="cuda")
-    bt = 3 + 5 * torch.rand(g.tile_grid(m, n), device="cuda")
+    bt = 3 + 5 * torch.rand(tile_grid(m, n), device="cuda")
     return w, bt, torch.exp2(1 - bt), torch.tensor([12345, 6], device="cuda")
 
 

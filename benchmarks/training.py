@@ -12,6 +12,8 @@ import torch
 
 import adam4bit as A
 import gaussws as g
+from lowbit.pqt.surgery import ALL_PARTS
+from lowbit.pqt.tiles import tile_grid
 from benchmarks.util import run_train_py
 from trainer.flags import build_parser
 from trainer.log import optimizer_state_bytes
@@ -145,7 +147,7 @@ class TorchEq3Linear(torch.nn.Linear):
                          device=lin.weight.device, dtype=lin.weight.dtype)
         self.weight, self.bias = lin.weight, lin.bias
         self.b_init, self.b_target = b_init, b_target
-        self.b_i = torch.nn.Parameter(torch.ones(g.tile_grid(*lin.weight.shape), device=lin.weight.device))
+        self.b_i = torch.nn.Parameter(torch.ones(tile_grid(*lin.weight.shape), device=lin.weight.device))
 
     def forward(self, x):
         if not self.training:
@@ -163,7 +165,7 @@ def torch_eq3_pqt(model):
     """Every block linear of `model` (the parts apply_pqt would take) -> TorchEq3Linear."""
     for block in model.blocks.modules():
         for name, child in list(block.named_children()):
-            if name in g.ALL_PARTS and type(child) is torch.nn.Linear:
+            if name in ALL_PARTS and type(child) is torch.nn.Linear:
                 setattr(block, name, TorchEq3Linear(child))
 
 

@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # from a clone: the repository root
 import gaussws  # noqa: E402
+from lowbit.pqt.checks import METHODS, check_bits  # noqa: E402
+from lowbit.pqt.surgery import format_of, parse_parts  # noqa: E402
 from adam4bit import AdamW4bit, PRESETS  # noqa: E402
 
 
@@ -36,7 +38,7 @@ def parse_args(argv=None):
                    help="Hugging Face model name or local path; default: a tiny Llama built from a config, byte tokens")
     p.add_argument("--out", default=None,
                    help="folder for the plain model (save_pretrained), with --model's tokenizer when --model is given")
-    p.add_argument("--method", default="gaussws", choices=gaussws.METHODS, help="PQT method of apply_pqt")
+    p.add_argument("--method", default="gaussws", choices=METHODS, help="PQT method of apply_pqt")
     p.add_argument("--parts", default="all",
                    help="'all', 'od' or a list such as 'q,k,v,out' or 'q_proj,o_proj' (gaussws.apply_pqt)")
     p.add_argument("--b_init", type=float, default=6.0, help="bits b_t starts at (paper A eq. 11)")
@@ -77,10 +79,10 @@ def parse_args(argv=None):
         if not (math.isfinite(v) and (v > 0 if name == "lr" else v >= 0)):
             p.error(f"--{name} {v}: must be a finite number {'> 0' if name == 'lr' else '>= 0'}")
     try:                 # the checks apply_pqt and remove_pqt make, before the model is loaded
-        gaussws.parse_parts(args.parts)
-        gaussws.check_bits(args.b_init, args.b_target)
+        parse_parts(args.parts)
+        check_bits(args.b_init, args.b_target)
         args.cast = None if args.cast == "none" else args.cast
-        gaussws.format_of(args.cast)
+        format_of(args.cast)
     except ValueError as e:
         p.error(f"--{str(e).replace('=', ' ', 1)}")
     return args

@@ -128,7 +128,7 @@ def plot_bitwidth(stats, png, title):
 
 
 def plot_cast(cast, png):
-    """Experiment 5: val-loss change after casting every PQT tile to each gaussws.CAST_SWEEP format, one
+    """Experiment 5: val-loss change after casting every PQT tile to each lowbit.pqt.export.CAST_SWEEP format, one
     line per run label (the mean over its seeds, labels "<run> s<seed>"), log scale."""
     plt = _pyplot()
     rows = {k: v for k, v in cast.items() if v.get("sweep_delta")}

@@ -31,6 +31,7 @@ import sys
 import torch
 
 import gaussws as g
+from lowbit.pqt.export import CAST_SWEEP, cast_tiles, cast_to_tiers
 from benchmarks.util import save
 from experiments.plots import plot_bitwidth, plot_cast, plot_quality, plot_results
 from experiments import runs as quality_runs
@@ -389,7 +390,7 @@ def quality_tables(out):
 # ---------------------------------------------------------------------------------------------
 # experiment 5: cast trained tiles to the FP formats of paper A Table C (and Figure 5's bitwidths)
 
-# The FP formats and the casts (FP_TIERS, CAST_SWEEP, cast_tiles, cast_to_tiers) live in gaussws.py.
+# The FP formats and the casts (FP_TIERS, CAST_SWEEP, cast_tiles, cast_to_tiers) live in lowbit/pqt/export.py.
 
 
 def load_run(run_dir, device="cpu"):
@@ -419,10 +420,10 @@ def load_run(run_dir, device="cpu"):
 
 def cast_run(d, label, device=None):
     """Experiment 5 and paper A Figure 5 on the finished run in folder d: val loss of the plain
-    weights w before and after gaussws.cast_to_tiers. GaussWS/DiffQ runs use each tile's learned
+    weights w before and after cast_to_tiers. GaussWS/DiffQ runs use each tile's learned
     b_t; a BF16 run is the control: its same layers (--parts) are cast at the fixed b_target tier
     (does PQT training make the model more tolerant than plain training?). The model's same layers
-    are also cast to every format of gaussws.CAST_SWEEP in turn (from the trained weights).
+    are also cast to every format of CAST_SWEEP in turn (from the trained weights).
     Returns dict(row={val_loss_before, val_loss_after, delta, tier_share, tiers, sweep_delta:
     {"e3m4": val loss change, ...}}, bitwidth=Figure 5 statistics of the learned b_t (None for
     BF16), layers=gaussws.bitwidth_stats per layer, for plots.plot_bitwidth (None for BF16))."""
@@ -443,15 +444,15 @@ def cast_run(d, label, device=None):
     layers = [layer for _, layer in g.pqt_layers(model)]
     w0 = [layer.weight.detach().clone() for layer in layers]
     sweep = {}
-    for e, mb in g.CAST_SWEEP:
+    for e, mb in CAST_SWEEP:
         with torch.no_grad():
             for layer, w in zip(layers, w0):
-                layer.weight.copy_(g.cast_tiles(w, e, mb))
+                layer.weight.copy_(cast_tiles(w, e, mb))
         sweep[f"e{e}m{mb}"] = val() - before
     with torch.no_grad():
         for layer, w in zip(layers, w0):
             layer.weight.copy_(w)
-    share = g.cast_to_tiers(model)
+    share = cast_to_tiers(g.pqt_layers(model))
     after = val()
     print(f"[cast] {label} ({tiers}): val loss {before:.4f} -> {after:.4f} ({after - before:+.4f}); "
           + ", ".join(f"{k} {v:.1%}" for k, v in share.items() if v)

@@ -19,6 +19,9 @@ import time
 import torch
 
 import gaussws as g
+from lowbit.pqt.checks import seed_tensor
+from lowbit.pqt.tiles import tile_grid
+from lowbit.pqt.tl import launch_config
 
 # the gaussws functions `kernels` times directly (the kernels alone, outside the autograd layer)
 GAUSSWS_NAMES = ("apply_triton", "grad_triton", "launch_config", "seed_tensor", "tile_grid")
@@ -43,7 +46,7 @@ def kernels(shapes, configs):
     import triton
     from benchmarks.util import copy_bandwidth
     bw = copy_bandwidth()
-    seed = g.seed_tensor(12345, "cuda")
+    seed = seed_tensor(12345, "cuda")
     bf16 = torch.bfloat16
 
     def us(fn):
@@ -51,7 +54,7 @@ def kernels(shapes, configs):
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; per config: apply/grad µs", flush=True)
     for m, n in shapes:
         w = torch.randn(m, n, device="cuda")
-        tm, tn = g.tile_grid(m, n)
+        tm, tn = tile_grid(m, n)
         b = torch.zeros(tm, tn, device="cuda")
         gg = torch.randn(m, n, device="cuda", dtype=bf16)
         floor = m * n * 6 / bw * 1e6
@@ -66,7 +69,7 @@ def kernels(shapes, configs):
         ref_a = apply()
         tmax, live = ref_a[1], ref_a[2]
         ref_g = grad(live, tmax)
-        cur_a, cur_g = g.launch_config("apply", 2, tm * tn), g.launch_config("grad", 2, tm * tn)
+        cur_a, cur_g = launch_config("apply", 2, tm * tn), launch_config("grad", 2, tm * tn)
         res = {}
         for bt, nw in list(configs) + [k for k in dict.fromkeys((cur_a, cur_g)) if k not in configs]:
             try:

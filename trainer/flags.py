@@ -11,7 +11,7 @@ import torch
 
 import adam4bit
 import data as datamod
-import gaussws
+from lowbit.pqt.checks import B_MAX, B_MIN
 from codebooks import CODEBOOKS
 from model import PRESETS, preset_config
 from trainer.util import rank0, say
@@ -236,7 +236,7 @@ def resolve_args(args, parser, cuda):
     check_fsdp_flags(parser, args)
     check_memory_flags(parser, args)
     for name in ("b_init", "b_target"):  # GaussWSLinear's range
-        check_range(parser, name, getattr(args, name), lo=gaussws.B_MIN, hi=gaussws.B_MAX)
+        check_range(parser, name, getattr(args, name), lo=B_MIN, hi=B_MAX)
     if args.b_target > args.b_init:
         parser.error(f"--b_target {args.b_target} > --b_init {args.b_init}: need b_target <= b_init (paper A eq. 11)")
     allowed = preset_config(args.preset).parts

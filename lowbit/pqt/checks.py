@@ -1,6 +1,7 @@
-"""Argument checks of the GaussWS API (gaussws.py) and the seed argument's conversion to an int64
-tensor [key, counter]. Each check raises TypeError / ValueError with a message naming the argument;
-none of them touches a weight's values (that would wait for the GPU).
+"""Argument checks of the GaussWS API (gaussws.py), the safe range [B_MIN, B_MAX] of the bitwidths,
+and the seed argument's conversion to an int64 tensor [key, counter]. Each check raises TypeError /
+ValueError with a message naming the argument; none of them touches a weight's values (that would
+wait for the GPU).
 """
 import numbers
 import os
@@ -16,6 +17,16 @@ GEN_METHODS = ("gaussws", "diffq", "bm")
 IMPLS = ("auto", "torch", "triton")
 MEMORY_MODES = ("save", "recompute")
 W_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # weight dtypes the kernels read
+
+# Safe range of b_t. Sampling uses clamp(b_t, B_MIN, B_MAX); eq. 11 is exact inside the range and
+# b_init, b_target must lie in it. Below 1 bit the PQN step max_32|w|·2^(1−b_t) exceeds the tile
+# max (the noise swamps the weight), and far below it 2^(1−b_t) overflows to inf and 0·inf gives
+# NaN. Above 24 bits the step is below one float32 ulp of the tile max, far past any format of
+# Table C (FP16 e5m10 holds b_t <= 12) and of BF16 (§3.3: b_t < 9): more bits change nothing.
+# A clamped tile gets no ∂L/∂b_t (clamp's gradient is 0 outside the range, 1 inside and at the
+# ends), so the loss cannot push it further out; weight decay on b_i and `bitwidth_penalty`
+# (which see the unclamped eq. 11 value) still pull it back toward b_target, inside the range.
+B_MIN, B_MAX = 1.0, 24.0
 
 
 def check_choice(name, value, allowed):
@@ -56,6 +67,18 @@ def check_tiles(t, w, name):
         raise TypeError(f"{name} must be a floating tensor, got dtype {t.dtype}")
     if t.device != w.device:
         raise ValueError(f"{name} is on {t.device} and the weight on {w.device}: they must be on the same device")
+
+
+def check_bits(b_init, b_target):
+    """b_init, b_target: numbers (not bool) in [B_MIN, B_MAX] with b_target <= b_init (eq. 11:
+    b_t starts at b_init, b_i = 1, and weight decay on b_i moves it to b_target). Equal values are
+    allowed: b_t = b_target for every b_i (fixed-bitwidth PQT, b_i gets zero gradient)."""
+    for name, v in (("b_init", b_init), ("b_target", b_target)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not B_MIN <= v <= B_MAX:
+            raise ValueError(f"{name}={v!r} must be a number of bits in [{B_MIN:g}, {B_MAX:g}]")
+    if b_target > b_init:
+        raise ValueError(f"b_target={b_target!r} > b_init={b_init!r}: need b_target <= b_init (eq. 11: "
+                         "b_t = b_target + b_i·(b_init − b_target) starts at b_init, decays to b_target)")
 
 
 def check_fused(fused, fn=""):

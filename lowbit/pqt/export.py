@@ -1,13 +1,13 @@
 """What a trained PQT model's bitwidths say and how its weights are cast (paper A §3.3, Prop. 3–4,
 Figure 5, Table C): the bitwidth statistics, the Table C tiers and the casts of weight tiles to FP
-formats. Reads GaussWSLinear layers (their b_t and weights); `cast_to_tiers` writes the weights.
+formats. Reads the GaussWSLinear layers handed in (their b_t and weights: `gaussws.pqt_layers`);
+`cast_to_tiers` writes the weights.
 """
 import math
 
 import torch
 
-from gaussws import B_MAX, B_MIN, pqt_layers
-from lowbit.pqt.checks import check_module
+from lowbit.pqt.checks import B_MAX, B_MIN
 from lowbit.pqt.tiles import TILE, broadcast_tiles, tile_grid
 
 
@@ -50,20 +50,14 @@ def _stats(bt, cnt):
     return out
 
 
-def bitwidth_stats(model):
-    """Figure 5 statistics of the bitwidths the layers sample with: b_t of eq. 11 clamped to
-    [B_MIN, B_MAX] (as in the forward), parameter-weighted (edge tiles count their real size).
+def layer_bitwidth_stats(layers):
+    """Figure 5 statistics of the bitwidths the layers sample with (`gaussws.bitwidth_stats`):
+    b_t of eq. 11 clamped to [B_MIN, B_MAX] (as in the forward), parameter-weighted (edge tiles
+    count their real size). layers: (name, GaussWSLinear) pairs, at least one.
 
     Returns {layer name: {mean, std, min, max, params, share_le5, share_le9, share_le12, tier}}
-    plus the key "all" aggregating every PQT layer; `tier` is the Table C format for the max
-    (`fp_tier`), the share_le keys are the FP_TIERS limits.
-    Raises TypeError if model is not an nn.Module and ValueError if it has no GaussWSLinear layer
-    (statistics of no tiles are undefined; train.py only calls it after apply_pqt replaced some)."""
-    check_module(model, "bitwidth_stats")
-    layers = pqt_layers(model)
-    if not layers:
-        raise ValueError(f"bitwidth_stats: model {type(model).__name__} has no GaussWSLinear layer "
-                         "(call apply_pqt first)")
+    plus the key "all" aggregating every layer; `tier` is the Table C format for the max
+    (`fp_tier`), the share_le keys are the FP_TIERS limits."""
     out, bts, cnts = {}, [], []
     for name, m in layers:
         bt = m.b_t.detach().clamp(B_MIN, B_MAX).double().cpu()
@@ -140,16 +134,16 @@ def cast_tiles(w, exp_bits, man_bits):
 
 
 @torch.no_grad()
-def cast_to_tiers(model):
-    """In place: the weight of every GaussWSLinear of `model` cast tile by tile to the Table C
-    format its bitwidth calls for (b_t of eq. 11 clamped to [B_MIN, B_MAX], as sampling uses it),
-    by the tier rule of `fp_tier` (FP_TIERS: first tier whose limit is >= b_t); tiles above the
-    last limit keep their weights (">FP16").
+def cast_to_tiers(layers):
+    """In place: the weight of every layer cast tile by tile to the Table C format its bitwidth
+    calls for (b_t of eq. 11 clamped to [B_MIN, B_MAX], as sampling uses it), by the tier rule of
+    `fp_tier` (FP_TIERS: first tier whose limit is >= b_t); tiles above the last limit keep their
+    weights (">FP16"). layers: (name, GaussWSLinear) pairs, as `gaussws.pqt_layers(model)` lists
+    a model's (`cast_to_tiers(pqt_layers(model))`).
     Returns {format name: share of those layers' weight parameters}, ">FP16" for the kept ones.
-    Raises TypeError if model is not an nn.Module (and ZeroDivisionError if it has no
-    GaussWSLinear layer: there is no share of no parameters)."""
+    Raises ZeroDivisionError on no layers: there is no share of no parameters."""
     counts = {name: 0 for _, name, _, _ in FP_TIERS} | {">FP16": 0}
-    for _, layer in pqt_layers(model):
+    for _, layer in layers:
         w = layer.linear_weight()
         m, n = w.shape
         bt = _tile_grid_of(layer.b_t.detach().clamp(B_MIN, B_MAX), m, n)

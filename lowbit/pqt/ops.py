@@ -1,9 +1,10 @@
 """How gaussws.py's sampling reaches its kernels: eager launches or torch.compile's (`kernel_launcher`), the
-torch.library ops gaussws::pqn_sample / pqn_grad / next_seed that torch.compile traces, and the
-per-call seed of a layer with the checks that keep activation checkpointing from reusing the
-wrong one (§3.6 of paper A: one Philox stream per layer call).
+torch.library ops gaussws::pqn_sample / pqn_grad / next_seed that torch.compile traces with their
+eager autograd.Function twins (`register_sample_ops`, also the "recompute" memory mode's linear),
+and the per-call seed of a layer with the checks that keep activation checkpointing from reusing
+the wrong one (§3.6 of paper A: one Philox stream per layer call).
 
-Eager code runs the plain functions and the autograd.Function of gaussws.py (an op call costs a
+Eager code runs gaussws.py's plain functions through an autograd.Function (an op call costs a
 dispatch per layer and step); under torch.compile the ops let Inductor launch the Triton kernels
 from its own generated code. Nothing here computes R, w_hat or a gradient.
 
@@ -19,6 +20,7 @@ which recomputes each region once per backward, a second recomputation of a laye
 raises.
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
@@ -33,13 +35,94 @@ def kernel_launcher(kernel):
     return kernel if _get_current_dispatch_mode() is None else wrap_triton(kernel)
 
 
-def register_sample_ops(sample_impl, grad_impl, setup_context, backward):
-    """gaussws::pqn_sample (differentiable: `backward`, `setup_context`) and gaussws::pqn_grad as
-    triton ops of gaussws.py's plain functions; returns the two ops."""
-    sample = triton_op("gaussws::pqn_sample", mutates_args=())(sample_impl)
-    grad = triton_op("gaussws::pqn_grad", mutates_args=())(grad_impl)
-    sample.register_autograd(backward, setup_context=setup_context)
-    return sample, grad
+# ----------------------------------------------------------------------------------------------
+# the differentiable sample of gaussws.py (eq. 3 forward, eq. 4 backward) from its plain functions
+
+def register_sample_ops(sample_impl, grad_impl):
+    """gaussws::pqn_sample (differentiable) and gaussws::pqn_grad as triton ops of gaussws.py's
+    plain functions, and their eager twin. sample_impl(w, b, seed, method, out_dtype, impl, fused,
+    b_target, b_scale) -> (w_hat, tile maxima, live) is eq. 3, differentiable in w and b;
+    grad_impl(g_w_hat, tmax, seed, live, method, w_dtype, b_dtype, impl, fused, b_scale) -> (∂L/∂w,
+    ∂L/∂b) is eq. 4. Returns (sample, recompute_linear): sample(*args) is the differentiable call,
+    the op under torch.compile (Inductor launches its Triton kernels from its own generated code)
+    and an autograd.Function in eager code; recompute_linear(x, w, b, seed, bias, method, impl,
+    fused, b_target, b_scale) is F.linear(x, w_hat, bias) keeping no w_hat for backward."""
+
+    def ops():
+        """(sample, grad) without autograd: the ops under torch.compile, the plain functions in
+        eager code (no dispatch cost)."""
+        if torch.compiler.is_compiling():
+            return torch.ops.gaussws.pqn_sample, torch.ops.gaussws.pqn_grad
+        return sample_impl, grad_impl
+
+    def save(ctx, inputs, output):
+        w, b, seed, method, out_dtype, impl, fused, b_target, b_scale = inputs
+        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.set_materialize_grads(False)   # no zero-filled gradients for them: a launch each in eager code
+        # tile maxima + seed (R is regenerated, not stored), 2^(1-b_t) and the clamp mask for ∂L/∂b
+        ctx.save_for_backward(output[1], seed, output[2])
+        ctx.args = (method, w.dtype, b.dtype, impl, fused, b_scale)
+        ctx.call = call_of(seed)
+
+    def grad(ctx, g_w_hat, g_tmax, g_live):
+        # the op's and PQNSample's backward: the grad op where is_compiling() is true (torch 2.13 while
+        # AOTAutograd traces a compiled backward), else the plain function, whose launches go through
+        # wrap_triton under a tracing mode (kernel_launcher): right either way, whatever is_compiling() says there
+        tmax, seed, live = ctx.saved_tensors
+        check_recomputed_call(ctx.call, seed)
+        if g_w_hat is None:                  # grads are not materialized: w_hat had none
+            return (None,) * 9
+        dw, db = ops()[1](g_w_hat, tmax, seed, live, *ctx.args)
+        return dw, db, None, None, None, None, None, None, None
+
+    sample_op = triton_op("gaussws::pqn_sample", mutates_args=())(sample_impl)
+    triton_op("gaussws::pqn_grad", mutates_args=())(grad_impl)
+    sample_op.register_autograd(grad, setup_context=save)
+
+    class PQNSample(torch.autograd.Function):
+        """Eager twin of gaussws::pqn_sample: the same functions, the same backward. In eager mode a
+        torch.library op call costs far more host time (dispatch, autograd wrapper) than this
+        autograd.Function, and a model makes one such call per layer and step, enough to make a large
+        model's eager step host-bound. torch.compile traces the op instead."""
+
+        generate_vmap_rule = True   # torch.func.vmap over a layer worked through the op; keep it working
+
+        forward = staticmethod(sample_impl)
+        setup_context = staticmethod(save)   # separate from forward: functorch needs it
+        backward = staticmethod(grad)
+
+    def sample(*args):
+        if torch.compiler.is_compiling():
+            return torch.ops.gaussws.pqn_sample(*args)
+        return PQNSample.apply(*args)
+
+    class RecomputeLinear(torch.autograd.Function):
+        """y = F.linear(x, w_hat, bias) that keeps no w_hat for backward: it is rebuilt from
+        (w, b, seed) there (gaussws's "recompute" memory mode)."""
+
+        @staticmethod
+        def forward(ctx, x, w, b, seed, bias, method, impl, fused, b_target, b_scale):
+            w_hat, tmax, live = ops()[0](w, b, seed, method, x.dtype, impl, fused, b_target, b_scale)
+            ctx.save_for_backward(x, w, b, seed, tmax, live)
+            ctx.args = (method, impl, fused, b_target, b_scale, bias is not None)
+            ctx.call = call_of(seed)
+            return F.linear(x, w_hat, bias)
+
+        @staticmethod
+        def backward(ctx, gy):
+            x, w, b, seed, tmax, live = ctx.saved_tensors
+            check_recomputed_call(ctx.call, seed)
+            method, impl, fused, b_target, b_scale, has_bias = ctx.args
+            resample, regrad = ops()
+            w_hat = resample(w, b, seed, method, x.dtype, impl, fused, b_target, b_scale)[0]
+            gy2 = gy.reshape(-1, gy.shape[-1]).to(x.dtype)
+            gx = (gy2 @ w_hat).view(x.shape)
+            g_w_hat = gy2.t() @ x.reshape(-1, x.shape[-1])
+            dw, db = regrad(g_w_hat, tmax, seed, live, method, w.dtype, b.dtype, impl, fused, b_scale)
+            gb = gy2.sum(0) if has_bias else None
+            return gx, dw, db, None, gb, None, None, None, None, None
+
+    return sample, RecomputeLinear.apply
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +176,7 @@ def layer_seed(layer):
         return seed
     if torch.compiler.is_compiling():
         return torch.ops.gaussws.next_seed(layer.noise_state)
-    seed = _next_seed_impl(layer.noise_state)   # eager: no op dispatch (see _PQNSample)
+    seed = _next_seed_impl(layer.noise_state)   # eager: no op dispatch (see PQNSample)
     seed._gaussws_call = layer._last_call = (layer._name, layer._calls)
     layer._calls += 1
     return seed

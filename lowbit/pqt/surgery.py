@@ -1,8 +1,10 @@
-"""Model surgery for paper A: `apply_pqt` puts GaussWSLinear layers in place of a model's linear
-layers ("method[part]" of the paper's experiments; this repository's GPT and Hugging Face models),
-`remove_pqt` puts plain ones back (optionally cast to Table C formats), and `GaussWSConv1D` is the
-layer in Hugging Face GPT-2's Conv1D layout. Changes the model's modules in place; the sampling
-itself is gaussws.py's.
+"""Model surgery for paper A, the machinery of gaussws.py's `apply_pqt` and `remove_pqt`:
+`replace_linears` puts GaussWS layers in place of a model's linear layers ("method[part]" of the
+paper's experiments; this repository's GPT and Hugging Face models), `restore_linears` puts plain
+ones back (optionally cast to Table C formats), `Conv1DLayout` gives a layer Hugging Face GPT-2's
+Conv1D layout, and `OptimizerCheck` warns about an optimizer that steps a layer's weight while no
+optimizer steps its b_i. Changes the model's modules in place; the layer classes come in as
+arguments (gaussws.py's GaussWSLinear, GaussWSConv1D), the sampling itself is theirs.
 """
 import fnmatch
 import random
@@ -13,8 +15,8 @@ import weakref
 import torch
 import torch.nn as nn
 
-from gaussws import GaussWSLinear, check_bits, pqt_layers
-from lowbit.pqt.checks import IMPLS, MEMORY_MODES, METHODS, check_choice, check_dtype, check_fused, check_module, check_seed
+from lowbit.pqt.checks import (IMPLS, MEMORY_MODES, METHODS, check_bits, check_choice, check_dtype, check_fused,
+                               check_module, check_seed)
 from lowbit.pqt.export import cast_fp, cast_tiles, cast_to_tiers
 
 GPT2_PARTS = ("qkv", "out", "up", "down")
@@ -22,9 +24,10 @@ LLAMA_PARTS = ("q", "k", "v", "out", "gate", "up", "down")
 ALL_PARTS = tuple(dict.fromkeys(GPT2_PARTS + LLAMA_PARTS))
 
 
-class GaussWSConv1D(GaussWSLinear):
-    """GaussWSLinear in the layout of Hugging Face's GPT-2 `Conv1D` (y = x @ weight + bias, weight
-    of shape (in, out), the transpose of nn.Linear's): `apply_pqt` puts it in place of a Conv1D.
+class Conv1DLayout:
+    """Mixin before GaussWSLinear (gaussws.GaussWSConv1D): the layer in the layout of Hugging Face's
+    GPT-2 `Conv1D` (y = x @ weight + bias, weight of shape (in, out), the transpose of nn.Linear's);
+    `apply_pqt` puts it in place of a Conv1D.
 
     It keeps Conv1D's weight Parameter as it is, so the state dict keeps Conv1D's keys and shapes
     (a Hugging Face checkpoint loads into it and `remove_pqt` gives the Conv1D back), and samples
@@ -161,43 +164,11 @@ def _few(names, k=8, quote=True):
     return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > k else "") or "none"
 
 
-def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0, memory="save",
-              impl="auto", fused=True, *, modules=None, lm_head=False):
-    """Replace linear layers of any nn.Module by GaussWSLinear (same weight and bias Parameters,
-    device, dtype and train/eval mode), in place; the torchao.quantize_ / QAT "prepare" step.
-
-    Which layers, by `parts` (the papers' "method[part]"; default "all") or by `modules`:
-      parts: "all" (every part the model has), "od" (out + down) or a comma list of
-        qkv,out,up,down (GPT-2) / q,k,v,out,gate,up,down (Llama). A layer's part is its own name
-        (this repository's GPT) or its Hugging Face name (HF_PARTS): q_proj, k_proj, v_proj,
-        o_proj, gate_proj, up_proj, down_proj (Llama-style) and c_attn, attn.c_proj, c_fc,
-        mlp.c_proj (GPT-2); the list may use these names too (parts="q_proj,o_proj"). Every part
-        named in a list (and both of "od") must exist.
-      modules: for any other model, a glob on the full module name (fnmatch: * also matches
-        dots; e.g. "model.layers.*.mlp.*"), a list of globs (each must match a linear), or a
-        callable (name, module) -> bool (True or False, else TypeError; an exception it raises
-        comes back as a ValueError naming the module); it is asked about every nn.Linear (and
-        Conv1D) of the model.
-    Only nn.Linear (exactly, not subclasses) and Hugging Face's GPT-2 Conv1D are replaced, the
-    latter by GaussWSConv1D (Conv1D's (in, out) weight, sampled with the equivalent nn.Linear's
-    tiles). Embeddings and norms are never sampled; the LM head (a linear whose weight is an
-    embedding's, i.e. tied; Hugging Face's get_output_embeddings(); a linear whose last name is
-    one of HEAD_NAMES: lm_head, head, output, embed_out) only with lm_head=True (a bool), which
-    adds it to `parts` or lets `modules` select it. A module at two places of the model, selected
-    at either, becomes one layer at both. b_i is float32 whatever the weight dtype (see
-    GaussWSLinear). b_init, b_target, seed, memory, impl, fused as in GaussWSLinear; layer seeds
-    come from random.Random(seed) in module order (§3.6 seed generator), continuing after the
-    GaussWSLinear layers the model already has, so a second call gives its layers other keys than
-    the first's. Build the optimizer after apply_pqt: the new b_i are parameters it must hold (an
-    optimizer that steps a layer's weight without its b_i gets a warning at its first step).
-    Returns the names of the replaced
-    modules ("blocks.0.attn.qkv", "model.layers.0.self_attn.q_proj", ...), in module order.
-    Everything is checked before the model is touched. Raises TypeError (model not an nn.Module,
-    seed, modules, lm_head or fused type, a callable's non-bool answer, float64 layers) or
-    ValueError (bad arguments; the model itself a linear layer; both parts and modules; a
-    named part the model has no linear for: the message lists the parts present; a filter that
-    selects no layer, or a glob of a list that matches none: the message lists the model's linears
-    and the nn.Linear subclasses it leaves alone)."""
+def replace_linears(model, layer_types, method, parts, b_init, b_target, seed, memory, impl, fused, modules,
+                    lm_head):
+    """`gaussws.apply_pqt` (arguments, result and errors are documented there) with its layer classes
+    handed in: layer_types = (the GaussWS linear class, its Conv1D-layout subclass)."""
+    linear_cls, conv1d_cls = layer_types
     check_module(model, "apply_pqt")
     if isinstance(model, nn.Linear) or _is_conv1d(model):
         raise ValueError(f"apply_pqt: the model is itself a linear layer ({type(model).__name__}); apply_pqt "
@@ -220,12 +191,12 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
         raise TypeError(f"apply_pqt: lm_head={lm_head!r} must be True or False")
     heads = _lm_head_ids(model)
     cands = [c for c in _linears(model) if lm_head or id(c[3]) not in heads]
-    done = [n for n, _ in pqt_layers(model)]
+    done = [n for n, _ in _layers_of(model, linear_cls)]
     already = f" (already GaussWSLinear: {_few(done)})" if done else ""
     # nn.Linear subclasses are not replaced (their forward may not be nn.Linear's): say so when
     # they are all a filter could have found
     subs = [f"{n!r} ({type(m).__name__})" for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not isinstance(m, GaussWSLinear)]
+            if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not isinstance(m, linear_cls)]
     subs = (f"; not replaced, being nn.Linear subclasses whose forward may differ: {_few(subs, quote=False)}"
             if subs else "")
     if modules is None:
@@ -265,14 +236,14 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     rng = random.Random(seed)
     # keys continue after the GaussWS layers already in the model (an earlier apply_pqt): a second
     # call must not give its layers the keys of the first call's
-    for _ in {id(m) for _, m in pqt_layers(model)}:
+    for _ in {id(m) for _, m in _layers_of(model, linear_cls)}:
         rng.getrandbits(62)
     new, replaced = {}, []
     for name, parent, cname, child in found:
         if id(child) not in new:
             conv = _is_conv1d(child)
             n_in, n_out = (child.nx, child.nf) if conv else (child.in_features, child.out_features)
-            layer = (GaussWSConv1D if conv else GaussWSLinear)(
+            layer = (conv1d_cls if conv else linear_cls)(
                 n_in, n_out, bias=child.bias is not None, method=method, b_init=b_init,
                 b_target=b_target, seed=rng.getrandbits(62), memory=memory, impl=impl, fused=fused,
                 device=child.weight.device, dtype=child.weight.dtype)
@@ -283,36 +254,70 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
             layer._name, layer.plain_type = name, type(child)
             new[id(child)] = layer
             replaced.append(name)
-            _B_I_OF[layer.weight] = (layer.b_i, name)
         setattr(parent, cname, new[id(child)])
-    _watch_optimizers()
+    OptimizerCheck.watch(model, linear_cls)
     return replaced
 
 
-# An optimizer built before apply_pqt holds the weights but not the new b_i, which then never train.
-# A global optimizer-step hook checks each optimizer once, at its first step, and warns naming the
-# layers whose weight it steps without their b_i.
-_B_I_OF = weakref.WeakKeyDictionary()   # weight Parameter -> (its layer's b_i, the layer's name)
-_CHECKED = weakref.WeakSet()            # optimizers already checked
-_HOOK = []
+def _layers_of(model, linear_cls):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, linear_cls)]
 
 
-def _check_optimizer(opt, args, kwargs):
-    if opt in _CHECKED:
-        return
-    _CHECKED.add(opt)
-    ids = {id(p) for g in opt.param_groups for p in g["params"]}
-    missing = [name for w, (b_i, name) in list(_B_I_OF.items()) if id(w) in ids and id(b_i) not in ids]
-    if missing:
-        warnings.warn(f"{type(opt).__name__} steps the weights of GaussWSLinear {_few(missing)} but not their "
-                      f"b_i: it was built before apply_pqt, so the bitwidths never train. Build the optimizer "
-                      f"after apply_pqt (or add the b_i parameters with add_param_group)", stacklevel=3)
+class OptimizerCheck:
+    """An optimizer built before apply_pqt holds the weights but not the new b_i, which then never
+    train. Each optimizer that steps is checked once: where it steps a layer's weight and no
+    optimizer seen stepping holds the layer's b_i, the check waits for its next step (the other
+    optimizers of the loop, one of which may hold the b_i, step in between) and then warns, naming
+    the layers. One check per model (`watch`), a global optimizer step pre-hook that goes with the
+    model or at `remove_pqt`; it looks parameters up by id and keeps no tensor and no model alive."""
 
+    _of_model = weakref.WeakKeyDictionary()    # model -> its OptimizerCheck
 
-def _watch_optimizers():
-    if not _HOOK:
+    def __init__(self, model, linear_cls):
         from torch.optim.optimizer import register_optimizer_step_pre_hook
-        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+        self.model, self.linear_cls = weakref.ref(model), linear_cls
+        self.reset()
+        self.handle = register_optimizer_step_pre_hook(self.check)
+        weakref.finalize(model, self.handle.remove)
+
+    @classmethod
+    def watch(cls, model, linear_cls):
+        """Checks the optimizers of `model` from now on: every one again, after an apply_pqt that
+        made new b_i (a second training phase)."""
+        if model in cls._of_model:
+            cls._of_model[model].reset()
+        else:
+            cls._of_model[model] = cls(model, linear_cls)
+
+    @classmethod
+    def stop(cls, model):
+        check = cls._of_model.pop(model, None)
+        if check is not None:
+            check.handle.remove()
+
+    def reset(self):
+        self.stepped = weakref.WeakSet()   # optimizers seen stepping
+        self.waiting = weakref.WeakSet()   # ... that step a weight whose b_i none of them held
+        self.done = weakref.WeakSet()      # ... checked
+
+    def check(self, opt, args, kwargs):
+        model = self.model()
+        if model is None or opt in self.done:
+            return
+        self.stepped.add(opt)
+        mine = {id(p) for g in opt.param_groups for p in g["params"]}
+        held = {id(p) for o in self.stepped for g in o.param_groups for p in g["params"]}
+        missing = [name for name, layer in _layers_of(model, self.linear_cls)
+                   if id(layer.weight) in mine and id(layer.b_i) not in held]
+        if missing and opt not in self.waiting:
+            self.waiting.add(opt)
+            return
+        self.done.add(opt)
+        if missing:
+            warnings.warn(f"{type(opt).__name__} steps the weights of GaussWSLinear {_few(missing)} but no "
+                          f"optimizer steps their b_i: it was built before apply_pqt, so the bitwidths never "
+                          f"train. Build the optimizer after apply_pqt (or add the b_i parameters with "
+                          f"add_param_group)", stacklevel=3)
 
 
 # ==============================================================================================
@@ -345,28 +350,17 @@ def _hf_conv1d():
 
 
 @torch.no_grad()
-def remove_pqt(model, cast=None):
-    """Undo apply_pqt in place: every GaussWSLinear becomes a plain nn.Linear (a GaussWSConv1D the
-    Conv1D it replaced) holding the same weight and bias Parameters, without b_i and noise_state,
-    so the model and its state dict are used without this library (TorchAO's QAT "convert").
-    cast: None keeps the trained weights w; "tiers" first casts every tile of w to the Table C
-    format of its bitwidth (`cast_to_tiers`); "eXmY" (e.g. "e3m4", "e2m3", as the CAST_SWEEP of
-    the cast sweep) casts every tile to that FP format with its own power-of-two scale
-    (`cast_tiles`). The weights keep their dtype (float32 holds every cast value exactly). The model
-    keeps its train/eval mode; an optimizer made before still holds the removed b_i.
-    From a PQT checkpoint: build the model, apply_pqt with the same arguments, load_state_dict,
-    then remove_pqt; to export and keep training, call it on copy.deepcopy(model). Returns the
-    names of the layers replaced, in module order.
-    Raises TypeError (model not an nn.Module), ValueError (cast not one of those; a model
-    without GaussWSLinear layers)."""
+def restore_linears(model, cast, linear_cls):
+    """`gaussws.remove_pqt` (arguments, result and errors are documented there) with the GaussWS
+    linear class handed in."""
     check_module(model, "remove_pqt")
     fmt = format_of(cast)
-    layers = pqt_layers(model)
-    if not layers or isinstance(model, GaussWSLinear):
+    layers = _layers_of(model, linear_cls)
+    if not layers or isinstance(model, linear_cls):
         raise ValueError(f"remove_pqt: model {type(model).__name__} has no GaussWSLinear layer"
                          + (" inside it (it is one: put it in a module)" if layers else ""))
     if fmt == "tiers":
-        cast_to_tiers(model)
+        cast_to_tiers(layers)
     elif fmt is not None:
         for _, layer in layers:
             w = layer.linear_weight()
@@ -374,13 +368,13 @@ def remove_pqt(model, cast=None):
     plain, removed = {}, []
     for pname, parent in list(model.named_modules()):
         for cname, child in list(parent._modules.items()):
-            if not isinstance(child, GaussWSLinear):
+            if not isinstance(child, linear_cls):
                 continue
             if id(child) not in plain:
-                cls = getattr(child, "plain_type", None) or (_hf_conv1d() if isinstance(child, GaussWSConv1D)
+                cls = getattr(child, "plain_type", None) or (_hf_conv1d() if isinstance(child, Conv1DLayout)
                                                              else nn.Linear)
                 with torch.device("meta"):       # no weights allocated: the layer's own go in
-                    p = (cls(child.out_features, child.in_features) if isinstance(child, GaussWSConv1D)
+                    p = (cls(child.out_features, child.in_features) if isinstance(child, Conv1DLayout)
                          else cls(child.in_features, child.out_features, bias=child.bias is not None))
                 p.weight = child.weight
                 p.bias = child.bias
@@ -388,4 +382,5 @@ def remove_pqt(model, cast=None):
                 plain[id(child)] = p
                 removed.append(f"{pname}.{cname}" if pname else cname)
             setattr(parent, cname, plain[id(child)])
+    OptimizerCheck.stop(model)
     return removed
