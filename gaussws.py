@@ -460,9 +460,8 @@ def _pqn_grad_impl(g: torch.Tensor, tmax: torch.Tensor, seed: torch.Tensor, live
     return grad_triton(g, noise, tmax, seed, method, w_dtype, fused, bits=bits)
 
 
-# _pqn_sample(w, b, seed, method, out_dtype, impl, fused, b_target, b_scale): (w_hat, tile max, live)
-# of eq. 3, differentiable in w and b; _recompute_linear(x, w, b, seed, bias, method, impl, fused,
-# b_target, b_scale): F.linear(x, w_hat, bias) that rebuilds w_hat in backward ("recompute" memory)
+# _pqn_sample(w, b, seed, method, out_dtype, impl, fused, b_target, b_scale) -> (w_hat, tile max,
+# live), differentiable in w and b; _recompute_linear: F.linear(x, w_hat, bias), w_hat rebuilt in backward
 _pqn_sample, _recompute_linear = register_sample_ops(_pqn_sample_impl, _pqn_grad_impl)
 
 
@@ -705,8 +704,7 @@ class GaussWSLinear(nn.Linear):
         return _bitwidth(self.b_i, self.b_init, self.b_target)
 
     def _next_seed(self):
-        """This call's seed [key, t]; advances t in a training forward (`layer_seed`)."""
-        return layer_seed(self)
+        return layer_seed(self)    # this call's seed [key, t]; advances t in a training forward
 
     def linear_weight(self):
         """The (out, in) weight that eq. 3 samples (GaussWSConv1D: a view of its (in, out) one)."""
@@ -728,9 +726,8 @@ class GaussWSLinear(nn.Linear):
 
 
 class GaussWSConv1D(Conv1DLayout, GaussWSLinear):
-    """GaussWSLinear in the layout of Hugging Face GPT-2's `Conv1D` (weight (in, out), sampled as
-    its transpose with the equivalent nn.Linear's tiles: `Conv1DLayout`); `apply_pqt` puts it in
-    place of a Conv1D. Arguments and errors as GaussWSLinear."""
+    """GaussWSLinear in Hugging Face GPT-2's `Conv1D` layout (weight (in, out), sampled as its
+    transpose with the same tiles: `Conv1DLayout`), for apply_pqt to put in place of a Conv1D."""
 
 
 def pqt_layers(model):
@@ -769,16 +766,17 @@ def apply_pqt(model, method="gaussws", parts=None, b_init=6, b_target=4, seed=0,
     GaussWSLinear). b_init, b_target, seed, memory, impl, fused as in GaussWSLinear; layer seeds
     come from random.Random(seed) in module order (§3.6 seed generator), continuing after the
     GaussWSLinear layers the model already has, so a second call gives its layers other keys than
-    the first's. Build the optimizer after apply_pqt: the new b_i are parameters it must hold (an
-    optimizer that steps a layer's weight while no optimizer steps its b_i gets a warning at its
-    second step, when the other optimizers of the loop had a step to show theirs). Returns the
-    names of the replaced modules ("blocks.0.attn.qkv", "model.layers.0.self_attn.q_proj", ...),
-    in module order. Everything is checked before the model is touched. Raises TypeError (model not an nn.Module,
-    seed, modules, lm_head or fused type, a callable's non-bool answer, float64 layers) or
-    ValueError (bad arguments; the model itself a linear layer; both parts and modules; a
-    named part the model has no linear for: the message lists the parts present; a filter that
-    selects no layer, or a glob of a list that matches none: the message lists the model's linears
-    and the nn.Linear subclasses it leaves alone)."""
+    the first's; after remove_pqt it starts a new phase. Build the optimizer after apply_pqt: the
+    new b_i are parameters it must hold (an optimizer that steps a layer's weight while no
+    optimizer steps its b_i gets a warning at its second step, when the other optimizers of the
+    loop had a step to show theirs). Returns the names of the replaced modules
+    ("blocks.0.attn.qkv", "model.layers.0.self_attn.q_proj", ...), in module order. Everything is
+    checked before the model is touched. Raises TypeError (model not an nn.Module, seed, modules,
+    lm_head or fused type, a callable's non-bool answer, float64 layers) or ValueError (bad
+    arguments; the model itself a linear layer; both parts and modules; a named part the model has
+    no linear for: the message lists the parts present; a filter that selects no layer, or a glob
+    of a list that matches none: the message lists the model's linears and the nn.Linear
+    subclasses it leaves alone)."""
     return replace_linears(model, (GaussWSLinear, GaussWSConv1D), method, parts, b_init, b_target, seed, memory,
                            impl, fused, modules, lm_head)
 
