@@ -30,10 +30,13 @@ cools down again over the new last steps; this holds when T lies on the new plat
 (round(warmup_frac * N) <= T < N - round(cooldown_frac * N), with the default shares
 about T / 0.9 < N <= 10 T); otherwise step T takes the new cooldown's (or warmup's) lr. Cosine is
 recomputed likewise, and the 4-bit optimizers' LM-head switch to SR moves to 90 % of N.
+
+This file is the setup and the loop; the flags, their defaults and checks are trainer/flags.py,
+the optimizer and the schedule trainer/optim.py, checkpoints trainer/checkpoint.py, log.jsonl and
+the start-up lines trainer/log.py, DDP / FSDP2 and threads trainer/dist.py.
 """
 
 import contextlib
-import inspect
 import math
 import os
 import sys
@@ -41,48 +44,24 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
-import adam4bit
 import data as datamod
 import gaussws
-from model import GPT, PRESETS, describe, preset_config
+from model import GPT, preset_config
 from lowbit import step_in_backward
 from trainer.checkpoint import (check_out_dir, check_resume_kind, check_resume_target, load_checkpoint,
                                 load_state, lock_out_dir, resume_is_done, resume_path)
-from trainer.dist import clip_grad_norm_local, fsdp_micro_step, setup_distributed, shard_model, unsharded
-from trainer.flags import (FOURBIT, OPTIMS, SCHEDULES, end_iter, optimizer_overrides, parse_args,
-                           resolve_args, tokens_per_step)
-from trainer.log import Interrupts, RunLog, read_log, resume_command
+from trainer.dist import (clip_grad_norm_local, fsdp_micro_step, set_grad_accum, setup_distributed, setup_threads,
+                          shard_model, unsharded, wrap_ddp)
+from trainer.flags import end_iter, parse_args, resolve_args, tokens_per_step
+from trainer.log import Interrupts, RunLog, read_log, resume_command, say_setup
+from trainer.memory import check_activations_fit, params_to_bf16
+from trainer.metrics import bits_params, evaluate, mean_bt
+from trainer.optim import build_optimizer, get_lr, say_optimizer
 from trainer.util import RunError, rank0, say
-
-TORCH_THREADS = torch.get_num_threads()  # PyTorch's own choice at import: OMP_NUM_THREADS or the physical cores
 
 
 # ----------------------------------------------------------------------------- setup
-
-def setup_threads(args, proc):
-    """Set PyTorch's intra-op CPU threads for a CPU run and say how many: --threads; else a count
-    the user chose (OMP_NUM_THREADS, or torch.set_num_threads before main) is kept; else the cores
-    less one, at least 1. Leaving a core free matters under load: OpenMP threads wait for each
-    other at the end of every op, so one thread descheduled by another process stalls them all
-    (measured both ways in results/README.md)."""
-    if proc.device_type != "cpu":
-        return
-    n = torch.get_num_threads()
-    if args.threads is not None:
-        n, why = args.threads, "--threads"
-    elif os.environ.get("OMP_NUM_THREADS"):
-        why = "OMP_NUM_THREADS"
-    elif n != TORCH_THREADS:
-        why = "set before train.py ran"
-    else:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        n, why = max(1, min(cores, TORCH_THREADS) - 1), f"{cores} cores less one, so a busy core does not stall each op"
-    torch.set_num_threads(n)
-    say(f"CPU threads: {n} ({why}); change with --threads N or OMP_NUM_THREADS=N")
-
 
 def setup_data(args, proc):
     """datamod.Batches of --dataset (rank 0 prepares it, the others wait), checked to hold a
@@ -149,87 +128,12 @@ def setup_model(args, proc, batches):
     return model, replaced
 
 
-def check_activations_fit(args, cfg, proc):
-    """RunError (one line) before the model is built when one micro-batch's activations cannot fit
-    the device's memory: a --block_size far beyond the preset's context would otherwise run out
-    of memory, or on a CPU swap for hours, inside the first step. The estimate is a floor: ~34
-    bytes per token and width per block (Korthikanti et al. 2022, attention's memory linear in
-    the length as with flash attention; ~2 per block and one block's 34 with
-    --activation_checkpointing) plus the float32 logits and their gradient."""
-    B, T, d = args.batch_size, args.block_size, cfg.n_embd
-    per_block = 2 * cfg.n_layer + 34 if args.activation_checkpointing else 34 * cfg.n_layer
-    need = B * T * d * per_block + 8 * B * T * cfg.vocab_size
-    if proc.device_type == "cuda":
-        have = torch.cuda.get_device_properties(proc.device).total_memory
-    else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
-    if have and need > have:
-        raise RunError(f"--block_size {T} with --batch_size {B}: one micro-batch's activations need at least "
-                       f"{need / 2**30:.0f} GiB, more than this device's {have / 2**30:.0f} GiB (the preset's context "
-                       f"is {PRESETS[args.preset]['block_size']}); lower --block_size or --batch_size")
-
-
-def params_to_bf16(model):
-    """--param_dtype bf16: the weights themselves in BF16, in place; the PQT bitwidths b_i stay
-    FP32 (their small steps would round away in BF16)."""
-    for name, p in model.named_parameters():
-        if not name.endswith("b_i"):
-            p.data = p.data.to(torch.bfloat16)
-
-
-def param_groups(model, weight_decay, bits_wd):
-    """AdamW groups: matrices/embeddings with weight decay, vectors (norms, biases) without, and the
-    PQT bitwidth parameters b_i in their own group with weight decay bits_wd (paper A eqs. 11-12:
-    decay on b_i pulls b_t toward b_target)."""
-    decay, no_decay, bits = [], [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name.endswith("b_i"):
-            bits.append(p)
-        elif p.dim() >= 2:
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-              {"params": bits, "weight_decay": bits_wd, "name": "b_i"}]
-    return [g for g in groups if g["params"]]
-
-
-def build_optimizer(args, model, device_type):
-    """The optimizer named by --optim. 4-bit presets are told which parameter is the LM head (its
-    first moment switches RTN -> SR for the last 10 % of training, paper B section 4); with tied
-    embeddings that parameter is the token embedding. --v_codebook / --v_rounding, when given,
-    replace the preset's second-moment codebook / rounding rule (checked by check_optimizer_flags).
-    `args` is a complete train.py Namespace (code that sets a few flags by hand starts from
-    build_parser().parse_args([]), as bench_training.py does)."""
-    betas = (args.beta1, args.beta2)
-    groups = param_groups(model, args.weight_decay, args.bits_wd)
-    if args.optim == "adamw":
-        return torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=args.eps, fused=device_type == "cuda")
-    if args.optim in FOURBIT:
-        opt = adam4bit.AdamW4bit(groups, lr=args.lr, betas=betas, eps=args.eps, weight_decay=args.weight_decay,
-                                 preset=args.optim, seed=args.seed, param_rounding=args.param_rounding,
-                                 master_weight_bits=args.master_weight_bits, capturable=args.capturable,
-                                 **optimizer_overrides(args))
-        opt.mark_lm_head(model.lm_head.weight)
-        return opt
-    if args.optim == "adam-mini":
-        try:
-            from adam_mini import Adam_mini
-        except ImportError:
-            raise RunError("--optim adam-mini needs the adam-mini package (pip install adam-mini)") from None
-        c = model.config
-        opt = Adam_mini(named_parameters=model.named_parameters(), lr=args.lr, betas=betas, eps=args.eps,
-                        weight_decay=args.weight_decay, dim=c.n_embd, n_heads=c.n_head, n_kv_heads=c.n_kv_head)
-        # tell Adam-mini our layer names (its defaults follow HF/Llama naming)
-        for attr, names in (("wqk_names", {"attn.q.weight", "attn.k.weight"}), ("wv_names", {"attn.v.weight"}),
-                            ("embd_names", {"wte"}), ("output_names", {"lm_head"})):
-            if isinstance(getattr(opt, attr, None), set):
-                getattr(opt, attr).update(names)
-        return opt
-    raise ValueError(f"optim={args.optim!r}; allowed: {', '.join(OPTIMS)}")
+def setup_optimizer(args, proc, model):
+    """The optimizer of --optim (trainer/optim.py: its parameter groups, the AdamW4bit presets'
+    LM head); under --fsdp the model is sharded first (FSDP2), so the states shard with it."""
+    if args.fsdp:
+        shard_model(model, proc.world, proc.device_type)
+    return build_optimizer(args, model, proc.device_type)
 
 
 def resume(args, ckpt, model, optimizer, device_type):
@@ -247,53 +151,6 @@ def resume(args, ckpt, model, optimizer, device_type):
     return ckpt["iter_num"], ckpt["best_val_loss"]
 
 
-def set_grad_accum(args, world, ckpt=None):
-    """--grad_accum when not given: the checkpoint's when resuming (the global batch stays, on any
-    number of processes it divides), else one micro-batch per process. RunError (one line) when it
-    does not divide by the number of processes."""
-    given = args.grad_accum is not None
-    if not given:
-        args.grad_accum = ckpt["config"]["grad_accum"] if ckpt is not None else world
-    if args.grad_accum % world:
-        ours = not given and ckpt is not None
-        raise RunError(f"--grad_accum {args.grad_accum}" + (" (the checkpoint's)" if ours else "")
-                       + f" must be divisible by the number of processes ({world})"
-                       + (f": resume it on a number of processes that divides {args.grad_accum} (a run that "
-                          "should move to more processes later starts with a larger --grad_accum)" if ours else ""))
-
-
-# ----------------------------------------------------------------------------- schedule
-
-def get_lr(it, max_iters, lr, schedule="wsd", warmup_frac=0.1, cooldown_frac=0.1, min_lr_frac=0.1):
-    """Learning rate for update `it` (0-based) of `max_iters`.
-
-    All schedules warm up linearly over the first round(warmup_frac * max_iters) updates
-    (lr * (it + 1) / W). Then
-      wsd:      constant lr, and over the last D = round(cooldown_frac * max_iters) updates the
-                multiplier 1 - sqrt(u), u = (it - (max_iters - D)) / D in [0, 1): the first cooldown
-                update uses the peak, the value reaches 0 at it = max_iters (paper B App. B)
-      cosine:   half-cosine from lr down to min_lr_frac * lr at it = max_iters
-      constant: lr
-    """
-    W = max(1, round(warmup_frac * max_iters)) if warmup_frac > 0 else 0
-    if it < W:
-        return lr * (it + 1) / W
-    if schedule == "constant":
-        return lr
-    if schedule == "cosine":
-        ratio = min(1.0, (it - W) / max(1, max_iters - W))
-        return lr * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * ratio)))
-    if schedule == "wsd":
-        D = round(cooldown_frac * max_iters)
-        start = max_iters - D
-        if it < start:
-            return lr
-        if it >= max_iters:
-            return 0.0
-        return lr * (1 - math.sqrt((it - start) / D))
-    raise ValueError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
-
-
 # ----------------------------------------------------------------------------- training loop
 
 def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf, argv=()):
@@ -308,11 +165,8 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
             f"(a few on a CPU)")
         model = torch.compile(model, mode=args.compile_mode)
     graphs = args.compile and "reduce-overhead" in args.compile_mode
-    if proc.ddp and not args.fsdp:  # buffers (GaussWS seed state) advance identically on every rank: no broadcast
-        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
-            else "broadcast_buffers"     # (torch >= 2.13 renamed it and warns on the old name)
-        model = DDP(model, device_ids=[torch.device(proc.device).index] if proc.device_type == "cuda" else None,
-                    **{no_sync: False})
+    if proc.ddp and not args.fsdp:
+        model = wrap_ddp(model, proc)
     pt_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     ctx = (torch.autocast(device_type=proc.device_type, dtype=pt_dtype) if pt_dtype != torch.float32
            else contextlib.nullcontext())
@@ -397,105 +251,6 @@ def train(args, proc, model, optimizer, batches, start_iter=0, best_val=math.inf
     return log.finish(it, raw_model, optimizer, bt.item() if bt is not None else None, go_on)
 
 
-def bits_params(model):
-    """The PQT bitwidth parameters b_i ([] without PQT)."""
-    return [p for n, p in model.named_parameters() if n.endswith("b_i")]
-
-
-def mean_bt(bits_params, b_init, b_target, world=1):
-    """Mean tile bitwidth b_t over all PQT tiles (paper A eq. 11: b_t = b_target + b_i (b_init - b_target)),
-    as a 0-dim tensor (no device sync). FSDP2 (DTensor b_i, `world` ranks): each rank's shards,
-    summed over the ranks in one all-reduce (none with one rank)."""
-    if not bits_params:
-        return None
-    with torch.no_grad():   # DTensor.to_local() costs ~40 us a call with autograd on, ~2 us without
-        local = [p.to_local() if hasattr(p, "to_local") else p.detach() for p in bits_params]
-    b_i = torch.cat([x.flatten() for x in local]).float()
-    if world > 1 and hasattr(bits_params[0], "to_local"):
-        total = torch.stack([b_i.sum(), torch.tensor(float(b_i.numel()), device=b_i.device)])
-        dist.all_reduce(total)
-        b_i = total[0] / total[1]
-    else:
-        b_i = b_i.mean()
-    return b_target + b_i * (b_init - b_target)
-
-
-@torch.no_grad()
-def evaluate(model, batches, n_windows, batch_size, ctx, device, rank=0, world=1, ddp=False, fsdp=False):
-    """Mean cross-entropy (nats/token) over the fixed validation windows, split across ranks.
-    Uses the plain (uncompiled, unwrapped) model in eval mode. Under FSDP2 (fsdp) every forward
-    all-gathers, so a rank with fewer batches runs extra forwards whose loss is not counted."""
-    was_training = model.training
-    model.eval()
-    tot = torch.zeros(2, dtype=torch.float64, device=device)
-    bar = tqdm(total=len(batches.val_starts(n_windows)[rank::world]), desc="eval", unit="window", leave=False,
-               delay=2, disable=rank != 0)  # shown only when an eval takes more than 2 s
-    for x, y in batches.val_batches(n_windows, batch_size, rank, world):
-        x, y = x.to(device), y.to(device)
-        with ctx:
-            _, loss = model(x, y)
-        tot[0] += loss.double() * y.numel()
-        tot[1] += y.numel()
-        bar.update(len(x))
-    if fsdp:
-        most = -(-len(batches.val_starts(n_windows)[0::world]) // batch_size)   # rank 0 has the most windows
-        mine = -(-len(batches.val_starts(n_windows)[rank::world]) // batch_size)
-        for _ in range(most - mine):
-            with ctx:
-                model(torch.zeros(1, batches.block_size, dtype=torch.long, device=device))
-    bar.close()
-    if ddp:
-        dist.all_reduce(tot)
-    model.train(was_training)
-    return (tot[0] / tot[1]).item()
-
-
-# ----------------------------------------------------------------------------- messages
-
-def say_setup(args, proc, batches, model, replaced):
-    meta, n_params = batches.meta, model.num_params()
-    say(f"device {proc.device} x{proc.world}, dtype {args.dtype}, params {args.param_dtype}, compile {args.compile}")
-    say(f"data {batches.folder}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"
-        + (f" (capped at {meta['max_tokens']:,})" if meta.get("max_tokens") else "")
-        + f", tokenizer {meta['tokenizer']} ({meta['source']})")
-    note = ""
-    if args.preset.startswith("llama"):
-        note = " (the papers count Llama sizes with a 32000-token vocabulary; this vocabulary changes the count)"
-    if meta["tokenizer"] == "byte" and PRESETS[args.preset].get("block_size", 0) >= 1024:
-        note += (f" (with byte tokens: a 256-entry vocabulary, not the {args.preset} of GPT-2's tokenizer; "
-                 f"--tokenizer gpt2 for that)")
-    say(f"model {args.preset}: {describe(model.config)}; {n_params:,} parameters = {n_params / 1e6:.2f}M{note}")
-    if replaced:
-        say(f"PQT {args.method}[{args.parts}] on {len(replaced)} linear layers, "
-            f"{sum(p.numel() for p in bits_params(model)):,} tiles (b_i), b_init {args.b_init}, b_target {args.b_target}")
-
-
-def say_optimizer(args, model):
-    overrides = "".join(f" --{k} {v}" for k, v in optimizer_overrides(args).items())
-    n = tokens_per_step(args)
-    say(f"optimizer {args.optim}{overrides}, lr {args.lr:g} ({args.schedule}), {args.max_iters} steps of "
-        f"{n:,} tokens ({args.batch_size} x {args.block_size} x {args.grad_accum}), "
-        f"{args.max_iters * n / max(model.num_params(), 1):.2f} tokens/param")
-
-
-def _count(n):
-    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e3 else str(n)
-
-
-def quantized_summary(model, optimizer, show=4):
-    """One line saying which parameters get 4-bit AdamW states (optimizer.is_quantized) and which
-    stay FP32 (fewer than 4096 elements, or not a multiple of the quantization block), naming the
-    `show` largest FP32 ones."""
-    q, f = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (q if optimizer.is_quantized(p) else f).append((p.numel(), name))
-    f.sort(key=lambda x: -x[0])
-    names = ", ".join(n for _, n in f[:show]) + (f", +{len(f) - show} more" if len(f) > show else "")
-    return (f"4-bit states: {len(q)} tensors ({_count(sum(n for n, _ in q))} params); FP32 states: {len(f)} "
-            f"tensors ({_count(sum(n for n, _ in f))} params" + (f": {names})" if f else ")"))
-
-
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None):
@@ -528,16 +283,12 @@ def main(argv=None):
         if ckpt is not None and resume_is_done(args, ckpt, summary is not None):   # the log kept as it is
             return summary
         say_setup(args, proc, batches, model, replaced)
-        if args.fsdp:
-            shard_model(model, proc.world, proc.device_type)
-        optimizer = build_optimizer(args, model, proc.device_type)
+        optimizer = setup_optimizer(args, proc, model)
         start_iter, best_val = 0, math.inf
         if ckpt is not None:
             start_iter, best_val = resume(args, ckpt, model, optimizer, proc.device_type)
             del ckpt
-        say_optimizer(args, model)
-        if args.optim in FOURBIT and args.optim != "fp32":
-            say(quantized_summary(model, optimizer))
+        say_optimizer(args, model, optimizer)
         return train(args, proc, model, optimizer, batches, start_iter, best_val,
                      argv=sys.argv[1:] if argv is None else argv)
     finally:

@@ -27,7 +27,7 @@ import time
 import torch
 
 from model import GPT, GPTConfig
-from trainer.log import optimizer_state_bytes
+from trainer.memory import optimizer_state_bytes
 
 WIDTH_7B = dict(n_embd=4096, n_head=32, n_kv_head=8, ffn_hidden=11008, vocab_size=50304, pos="rope",
                 mlp="swiglu", norm="rmsnorm", tie_embeddings=False, split_qkv=True)

@@ -15,8 +15,10 @@ import gaussws as g
 from lowbit.pqt.surgery import ALL_PARTS
 from lowbit.pqt.tiles import tile_grid
 from benchmarks.util import run_train_py
+from model import GPT, preset_config
 from trainer.flags import build_parser
-from trainer.log import optimizer_state_bytes
+from trainer.memory import optimizer_state_bytes, params_to_bf16
+from trainer.optim import build_optimizer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -31,19 +33,17 @@ def train_setup(preset, method, optim, batch, T, device, compile=True, memory="s
     (train.py's) and one training step closure on random tokens (throughput does not depend on
     the data). compile: False, True (the whole model, as train.py) or "blocks" (each transformer
     block, the embeddings, final norm, LM head and loss eager)."""
-    import train as trainer
-    from model import GPT, preset_config
     torch.manual_seed(0)
     with device:        # initialise on the GPU: a CPU init of a 3B model takes longer than its benchmark
         model = GPT(preset_config(preset, block_size=T))
     if method != "bf16":
         g.apply_pqt(model, method=method, parts="all", memory=memory)
     if param_dtype == "bf16":
-        trainer.params_to_bf16(model)
+        params_to_bf16(model)
     args = build_parser().parse_args([])   # every train.py flag at its default, then ours
     vars(args).update(optim=optim, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bits_wd=0.0,
                       seed=0, param_rounding="rtn", master_weight_bits=master_weight_bits)
-    opt = trainer.build_optimizer(args, model, device.type)
+    opt = build_optimizer(args, model, device.type)
     fwd = torch.compile(model) if compile is True else model
     if compile == "blocks":  # regional compilation: Dynamo compiles Block.forward once, all blocks reuse it
         for block in model.blocks:
@@ -220,8 +220,6 @@ def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps
     while the host starts the next step. Per variant also: host ms per step (the step() call
     started with the GPU idle, without waiting for it), and from torch.profiler the GPU time and
     GPU operations per step."""
-    import train as trainer
-    from model import GPT, preset_config
     device = torch.device("cuda")
     args = build_parser().parse_args([])   # every train.py flag at its default, then ours
     vars(args).update(optim="adamw", lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bits_wd=0.0, seed=0)
@@ -234,7 +232,7 @@ def bench_train_gpt2(variants=TRAIN_VARIANTS, modes=("default",), pairs=2, steps
             with device:
                 model = GPT(preset_config(preset, block_size=T))
             surgery(model)
-            opt = trainer.build_optimizer(args, model, "cuda")
+            opt = build_optimizer(args, model, "cuda")
             fwd = torch.compile(model, mode=mode)
             graphs = "reduce-overhead" in mode
 
@@ -304,7 +302,6 @@ def bench_memory(preset="gpt2-124m", T=1024, batch=4, device="cuda"):
     under BF16 autocast plain training saves its cast weights just the same), measured on real
     tensors after a step, beside the arithmetic 4 + 4 + {8 | 1.0625 on eligible tensors, 8 on
     others} + 2 per block-linear param (0 for memory="recompute")."""
-    import train as trainer
     device = torch.device(device)
     rows = []
     cases = [(method, memory, optim, "fp32", None) for method, memory in (

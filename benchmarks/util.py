@@ -1,5 +1,6 @@
-"""Timing, bandwidth and power helpers and the result-file writer shared by bench*.py and
-experiments.py; they touch the GPU clock and results/, nothing else.
+"""Timing, bandwidth and power helpers, train.py as a subprocess, and the result-file writer shared
+by bench.py's sections (benchmarks/) and the quality harness (experiments/); they touch the GPU
+clock and results/, and run train.py, nothing else.
 """
 import datetime
 import json
@@ -19,10 +20,9 @@ NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", 
 def run_train_py(flags, out_dir, nproc=None):
     """Run train.py with `flags` into out_dir as a user would: `python train.py` (nproc None) or
     `torchrun --nproc_per_node nproc train.py`, multicast off. Returns its log records
-    (train.read_log); RuntimeError with the end of its output when it fails."""
+    (trainer.log.read_log); RuntimeError with the end of its output when it fails."""
     import subprocess
     import sys
-    import train as trainer
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
     launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
                                  if nproc else [])

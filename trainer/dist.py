@@ -1,13 +1,20 @@
-"""train.py's processes: DDP / FSDP2 setup (torchrun, the process group) and the FSDP2 helpers the
-loop calls (sharding, gradient sync per micro-step, clipping of sharded gradients, gathering for
-eval). Touches the process group and the model's sharding, never the files in --out_dir."""
+"""train.py's processes: DDP / FSDP2 setup (torchrun, the process group), a CPU run's threads, the
+micro-batches per process, and the DDP / FSDP2 helpers the loop calls (wrapping, sharding, gradient
+sync per micro-step, clipping of sharded gradients, gathering for eval). Touches the process group,
+the thread count and the model's sharding, never the files in --out_dir."""
 
 import contextlib
+import inspect
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.util import RunError, say
+
+TORCH_THREADS = torch.get_num_threads()  # PyTorch's own choice at import: OMP_NUM_THREADS or the physical cores
 
 
 @dataclass
@@ -53,6 +60,52 @@ def setup_distributed(args):
     if not dist.is_initialized():   # (a caller may have joined the group already)
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     return Process(ddp=True, rank=rank, world=world, device=dev)
+
+
+def setup_threads(args, proc):
+    """Set PyTorch's intra-op CPU threads for a CPU run and say how many: --threads; else a count
+    the user chose (OMP_NUM_THREADS, or torch.set_num_threads before main) is kept; else the cores
+    less one, at least 1. Leaving a core free matters under load: OpenMP threads wait for each
+    other at the end of every op, so one thread descheduled by another process stalls them all
+    (measured both ways in results/README.md)."""
+    if proc.device_type != "cpu":
+        return
+    n = torch.get_num_threads()
+    if args.threads is not None:
+        n, why = args.threads, "--threads"
+    elif os.environ.get("OMP_NUM_THREADS"):
+        why = "OMP_NUM_THREADS"
+    elif n != TORCH_THREADS:
+        why = "set before train.py ran"
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n, why = max(1, min(cores, TORCH_THREADS) - 1), f"{cores} cores less one, so a busy core does not stall each op"
+    torch.set_num_threads(n)
+    say(f"CPU threads: {n} ({why}); change with --threads N or OMP_NUM_THREADS=N")
+
+
+def set_grad_accum(args, world, ckpt=None):
+    """--grad_accum when not given: the checkpoint's when resuming (the global batch stays, on any
+    number of processes it divides), else one micro-batch per process. RunError (one line) when it
+    does not divide by the number of processes."""
+    given = args.grad_accum is not None
+    if not given:
+        args.grad_accum = ckpt["config"]["grad_accum"] if ckpt is not None else world
+    if args.grad_accum % world:
+        ours = not given and ckpt is not None
+        raise RunError(f"--grad_accum {args.grad_accum}" + (" (the checkpoint's)" if ours else "")
+                       + f" must be divisible by the number of processes ({world})"
+                       + (f": resume it on a number of processes that divides {args.grad_accum} (a run that "
+                          "should move to more processes later starts with a larger --grad_accum)" if ours else ""))
+
+
+def wrap_ddp(model, proc):
+    """DDP around `model`, without buffer broadcasts: the buffers (GaussWS seed state) advance
+    identically on every rank."""
+    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+        else "broadcast_buffers"     # (torch >= 2.13 renamed it and warns on the old name)
+    return DDP(model, device_ids=[torch.device(proc.device).index] if proc.device_type == "cuda" else None,
+               **{no_sync: False})
 
 
 def shard_model(model, world, device_type):

@@ -1,9 +1,10 @@
 """train.py's command line: the parser, the device-dependent defaults and every check of a flag or
-a flag combination (a one-line parser.error before any data or model is built), and the numbers
-derived from flags alone. Reads flags; builds nothing but a throw-away AdamW4bit on a dummy
-parameter to check --v_codebook / --v_rounding."""
+a flag combination (a one-line parser.error before any data or model is built: optional packages
+included), the notes on flags that cost or do less than their name says, and the numbers derived
+from flags alone. Reads flags; builds nothing."""
 
 import argparse
+import importlib.util
 import math
 import os
 
@@ -15,12 +16,16 @@ from lowbit.pqt.checks import B_MAX, B_MIN
 from codebooks import CODEBOOKS
 from model import PRESETS, preset_config
 from trainer.util import rank0, say
-from lowbit.optim.args import V_ROUNDINGS
+from lowbit.optim.args import V_ROUNDINGS, quantizer_config
 from lowbit.optim.param_write import PARAM_ROUNDINGS
 
 METHODS = ("bf16", "gaussws", "diffq")
 OPTIMS = ("adamw", "fp32", "torchao", "zipsr", "zeeden", "adam-mini")
-FOURBIT = ("fp32", "torchao", "zipsr", "zeeden")          # adam4bit.AdamW4bit presets
+ADAMW4BIT_PRESETS = ("fp32", "torchao", "zipsr", "zeeden")      # adam4bit.AdamW4bit's presets (adam4bit.PRESETS)
+# of those, the ones that keep 4-bit states (fp32 keeps FP32 states: AdamW4bit's plain AdamW)
+FOURBIT_PRESETS = tuple(p for p in ADAMW4BIT_PRESETS if adam4bit.PRESETS[p]["m_codebook"] is not None)
+# optional packages a flag needs: (flag, value) -> (module, pip package)
+PACKAGES = {("optim", "adam-mini"): ("adam_mini", "adam-mini")}
 SCHEDULES = ("wsd", "cosine", "constant")
 # Peak learning rates: paper B Table 7 where it has the size, nanoGPT's 6e-4 for GPT-2 124M,
 # and a larger rate for the CPU-sized models (few hundred steps).
@@ -44,7 +49,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser():
-    # allow_abbrev=False: experiments.py sets some flags per run and refuses them in --train_args by
+    # allow_abbrev=False: the quality harness (experiments/quality.py) sets some flags per run and refuses them in --train_args by
     # name, so an abbreviation (--max_it) must not slip through as the full flag
     p = OneLineParser(prog="train.py", description=DESCRIPTION,
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
@@ -87,7 +92,8 @@ def build_parser():
     g.add_argument("--master_weight_bits", type=int, default=None, choices=(24,),
                    help="AdamW4bit presets, --param_dtype bf16: 24 keeps an int8 correction per weight (+1 B/param)")
     g.add_argument("--capturable", action="store_true",
-                   help="AdamW4bit presets: the optimizer step replays as one CUDA graph (AdamW4bit(capturable=True))")
+                   help="AdamW4bit presets: the optimizer step replays as one CUDA graph (AdamW4bit(capturable=True)); "
+                        "CUDA only: on CPU it changes nothing (said at start-up)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate; default per preset (paper B Table 7)")
     g.add_argument("--schedule", default="wsd", choices=SCHEDULES, help="WSD: warmup, constant, 1-sqrt(u) cooldown")
     g.add_argument("--warmup_frac", type=float, default=0.1, help="share of steps in linear warmup")
@@ -103,7 +109,7 @@ def build_parser():
                         "(torch.utils.checkpoint, non-reentrant): activations of one block at a time")
     g.add_argument("--step_in_backward", action="store_true",
                    help="step each parameter as soon as its gradient is complete and free the gradient "
-                        "(step_in_backward.py): no full set of gradients; needs --grad_clip 0, one micro-step "
+                        "(lowbit.step_in_backward): no full set of gradients; needs --grad_clip 0, one micro-step "
                         "per step, one process")
     g = p.add_argument_group("batch and length")
     g.add_argument("--batch_size", type=int, default=16, help="sequences per micro-batch per GPU")
@@ -126,7 +132,8 @@ def build_parser():
                    help="fixed validation windows of block_size tokens, at most as many as fit in the val "
                         "split without overlap; 0 = no eval; auto: 64 CPU, 256 CUDA (capped to what fits)")
     g.add_argument("--compile", default=None, action=argparse.BooleanOptionalAction,
-                   help="torch.compile the model; default: on for CUDA, off on CPU")
+                   help="torch.compile the model; default: on for CUDA, off on CPU (there the first step compiles "
+                        "for minutes)")
     g.add_argument("--compile_mode", default="default", choices=COMPILE_MODES,
                    help="torch.compile mode; reduce-overhead replays CUDA graphs (less CPU launch time)")
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
@@ -246,7 +253,9 @@ def resolve_args(args, parser, cuda):
         if bad or not args.parts:
             parser.error(f"--parts {args.parts!r}: unknown part(s) {', '.join(bad) or '(empty)'} for preset "
                          f"{args.preset}; allowed: all, od, or a comma list of {','.join(allowed)}")
+    check_packages(parser, args)
     say_ignored_flags(args, parser)
+    say_device_notes(args, cuda)
     try:
         datamod.check_dataset_arg(args.dataset)
     except ValueError as e:
@@ -275,6 +284,39 @@ def unread_flags(config):
     if schedule != "cosine":
         unread["min_lr_frac"] = f"--schedule {schedule}"
     return unread
+
+
+def check_packages(parser, args):
+    """parser.error (one line) when a flag needs an optional package that is not installed
+    (PACKAGES), before any data or model is built."""
+    for (name, value), (module, package) in PACKAGES.items():
+        if getattr(args, name) == value and importlib.util.find_spec(module) is None:
+            parser.error(f"--{name} {value} needs the {package} package, which is not installed: "
+                         f"pip install {package}")
+
+
+def say_device_notes(args, cuda):
+    """One line per flag that costs or does less on this device than its name suggests: on CPU
+    --capturable changes nothing (it captures the optimizer step as a CUDA graph), and --compile
+    spends minutes compiling inside the first step (more with PQT), during which one Ctrl-C waits."""
+    if cuda:
+        return
+    if args.capturable:
+        say("note: --capturable changes nothing on CPU (it replays the optimizer step as a CUDA graph); "
+            "the step runs as without it")
+    if args.compile:
+        say("note: --compile on CPU: the first step compiles for minutes (" + ("more with PQT, "
+            if args.method != "bf16" else "") + "after which steps run faster); Ctrl-C then stops with a "
+            "checkpoint only once that step ends, a second Ctrl-C (2 s or more later) stops at once")
+
+
+def what_trains(args):
+    """What the run trains, whatever the flags are named: the weights' dtype, the autocast dtype
+    (None: no autocast, the math in the weights' dtype), and the PQT method on its parts (None:
+    no PQT; --method bf16 names no dtype). The start-up line and the log's summary say it."""
+    return {"weights_dtype": "bfloat16" if args.param_dtype == "bf16" else "float32",
+            "autocast_dtype": None if args.dtype == "float32" else args.dtype,
+            "pqt": None if args.method == "bf16" else f"{args.method}[{args.parts}]"}
 
 
 def say_ignored_flags(args, parser):
@@ -341,15 +383,17 @@ def check_fsdp_flags(parser, args):
 def check_optimizer_flags(parser, args):
     """parser.error (one line) when --v_codebook/--v_rounding are given with an optimizer that is
     not an AdamW4bit preset, or form a combination AdamW4bit refuses (e.g. an update-space rule on
-    a signed codebook, or a 4-bit v with the fp32 preset's FP32 m): the optimizer is built on a
-    dummy parameter here, before any data or model."""
+    a signed codebook): AdamW4bit's check of its components runs here, before any data or model,
+    without building an optimizer."""
     bf16_write = [f for f, on in (("--param_rounding sr", args.param_rounding == "sr"),
                                   ("--master_weight_bits 24", args.master_weight_bits)) if on]
-    if bf16_write and (args.param_dtype != "bf16" or args.optim not in FOURBIT):
+    if bf16_write and (args.param_dtype != "bf16" or args.optim not in ADAMW4BIT_PRESETS):
         parser.error(f"{' '.join(bf16_write)}: only with --param_dtype bf16 and an AdamW4bit preset "
-                     f"(--optim {'|'.join(FOURBIT)}), got --param_dtype {args.param_dtype} --optim {args.optim}")
-    if args.capturable and args.optim not in FOURBIT:
-        parser.error(f"--capturable: only with an AdamW4bit preset (--optim {'|'.join(FOURBIT)}), got --optim {args.optim}")
+                     f"(--optim {'|'.join(ADAMW4BIT_PRESETS)}), got --param_dtype {args.param_dtype} "
+                     f"--optim {args.optim}")
+    if args.capturable and args.optim not in ADAMW4BIT_PRESETS:
+        parser.error(f"--capturable: only with an AdamW4bit preset (--optim {'|'.join(ADAMW4BIT_PRESETS)}), "
+                     f"got --optim {args.optim}")
     if len(bf16_write) == 2:
         parser.error("--param_rounding sr with --master_weight_bits 24: the correction keeps the residual of "
                      "a round-to-nearest write; give one of them")
@@ -357,12 +401,13 @@ def check_optimizer_flags(parser, args):
     if not over:
         return
     flags = " ".join(f"--{k} {v}" for k, v in over.items())
-    fourbit = [o for o in FOURBIT if o != "fp32"]
-    if args.optim not in fourbit:
-        parser.error(f"{flags}: only for the 4-bit AdamW presets (--optim {'|'.join(fourbit)}), "
+    if args.optim not in FOURBIT_PRESETS:
+        parser.error(f"{flags}: only for the 4-bit AdamW presets (--optim {'|'.join(FOURBIT_PRESETS)}), "
                      f"not --optim {args.optim}")
-    try:
-        adam4bit.AdamW4bit([torch.nn.Parameter(torch.zeros(1))], preset=args.optim, **over)
+    try:   # AdamW4bit's own check of its components (the preset's with these replaced)
+        quantizer_config(adam4bit.PRESETS, args.optim, block_size=128, m_codebook=None, m_rounding=None,
+                         v_codebook=over.get("v_codebook"), v_rounding=over.get("v_rounding"), eden=None,
+                         lm_head_sr_after="preset")   # block_size: AdamW4bit's default, the one train.py uses
     except (ValueError, TypeError) as e:
         parser.error(f"{flags} with --optim {args.optim}: {e}")
 

@@ -1,7 +1,8 @@
-"""train.py's record of a run: RunLog (log.jsonl, the checkpoint calls, the progress bar and the
-summary), read_log, loss.png, and the SIGINT / SIGTERM handling that stops at a step boundary.
-Writes log.jsonl and loss.png in --out_dir, and the checkpoints through train_checkpoint (with
---overwrite it first removes the old ones); rank 0 only, except the collective DCP save."""
+"""train.py's record of a run: the start-up lines (say_setup), RunLog (log.jsonl, the checkpoint
+calls, the progress bar and the summary), read_log, loss.png, and the SIGINT / SIGTERM handling
+that stops at a step boundary. Writes log.jsonl and loss.png in --out_dir, and the checkpoints
+through trainer/checkpoint.py (with --overwrite it first removes the old ones); rank 0 only, except
+the collective DCP save."""
 
 import json
 import math
@@ -19,9 +20,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from model import PRESETS, describe
 from trainer.checkpoint import (CKPT_FORMAT, atomic_write, checkpoints_in, ckpt_path, resume_path, run_config,
-                              save_checkpoint, save_dcp_checkpoint)
-from trainer.flags import tokens_per_step
+                                save_checkpoint, save_dcp_checkpoint)
+from trainer.flags import tokens_per_step, what_trains
+from trainer.memory import optimizer_state_bytes, peak_memory_mb
+from trainer.metrics import bits_params
 from trainer.util import RunError, say
 
 
@@ -125,32 +129,6 @@ def resume_command(argv, proc, drop_stop=False):
             kept.append(a)
     launch = (f"torchrun --standalone --nproc_per_node {proc.world} train.py" if proc.ddp else "python train.py")
     return " ".join([launch, shlex.join(kept), "--resume"] if kept else [launch, "--resume"])
-
-
-def peak_memory_mb(device_type):
-    if device_type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    except Exception:
-        return float("nan")
-
-
-def optimizer_state_bytes(opt):
-    """Bytes this process holds in optimizer state tensors (opt.state_nbytes() when the optimizer
-    has it; under FSDP2 the local shards of DTensor states; a tensor subclass such as TorchAO's
-    4-bit state by its inner tensors); the scalar step counters are not counted, as in
-    AdamW4bit.state_nbytes()."""
-    if hasattr(opt, "state_nbytes"):
-        return int(opt.state_nbytes())
-
-    def nbytes(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if hasattr(t, "__tensor_flatten__"):
-            return sum(nbytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-        return t.numel() * t.element_size()
-    return sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
 class RunLog:
@@ -311,6 +289,7 @@ class RunLog:
                    "peak_mem_mb": peak_memory_mb(self.proc.device_type),
                    "optimizer_state_mb": optimizer_state_bytes(optimizer) / 2**20,
                    "params": model.num_params(), "preset": args.preset, "method": args.method, "optim": args.optim,
+                   **what_trains(args),
                    "world": self.proc.world, "checkpoint": self.ckpt_path if self.last_ckpt is not None else None,
                    "machine": machine(self.proc.device)}
         if b_t_mean is not None:
@@ -338,6 +317,31 @@ class RunLog:
             say(plot_losses(self.path, os.path.join(args.out_dir, "loss.png")))
         self.file.close()
         return summary
+
+
+def say_setup(args, proc, batches, model, replaced):
+    """The start-up lines: what trains where (what_trains: a --method bf16 run on CPU trains float32
+    weights without autocast), the data, the model, and PQT's layers (`replaced`: their names)."""
+    meta, n_params, runs = batches.meta, model.num_params(), what_trains(args)
+    weights, autocast = runs["weights_dtype"], runs["autocast_dtype"]
+    pqt = f"PQT {runs['pqt']}" if runs["pqt"] else "no PQT" + (
+        "" if autocast else " (--method bf16 names no dtype: --dtype bfloat16 for BF16 autocast)")
+    say(f"device {proc.device} x{proc.world}: {weights} weights, "
+        + (f"{autocast} autocast" if autocast else f"no autocast (math in {weights})")
+        + f", {pqt}, compile {'on' if args.compile else 'off'}")
+    say(f"data {batches.folder}: {meta['train_tokens']:,} train / {meta['val_tokens']:,} val tokens"
+        + (f" (capped at {meta['max_tokens']:,})" if meta.get("max_tokens") else "")
+        + f", tokenizer {meta['tokenizer']} ({meta['source']})")
+    note = ""
+    if args.preset.startswith("llama"):
+        note = " (the papers count Llama sizes with a 32000-token vocabulary; this vocabulary changes the count)"
+    if meta["tokenizer"] == "byte" and PRESETS[args.preset].get("block_size", 0) >= 1024:
+        note += (f" (with byte tokens: a 256-entry vocabulary, not the {args.preset} of GPT-2's tokenizer; "
+                 f"--tokenizer gpt2 for that)")
+    say(f"model {args.preset}: {describe(model.config)}; {n_params:,} parameters = {n_params / 1e6:.2f}M{note}")
+    if replaced:
+        say(f"PQT {args.method}[{args.parts}] on {len(replaced)} linear layers, "
+            f"{sum(p.numel() for p in bits_params(model)):,} tiles (b_i), b_init {args.b_init}, b_target {args.b_target}")
 
 
 def read_log(path):

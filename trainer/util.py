@@ -1,4 +1,4 @@
-"""What the train_*.py files share: RunError (a run that cannot go on) and printing on rank 0 only.
+"""What train.py's parts share: RunError (a run that cannot go on) and printing on rank 0 only.
 Touches nothing but stdout."""
 
 import os
