@@ -8,7 +8,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only host     # CPU: the 4-bit step's Python work per call (no GPU needed)
     python bench.py --only noise    # GaussWS noise kernels (paper A, Figure 6)
     python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
-    python bench.py --only capacity # the largest 7B-width Llama one GPU trains, per setup (bench_capacity.py)
+    python bench.py --only capacity # the largest 7B-width Llama one GPU trains, per setup
     python bench.py --only train    # GPT-2-124M compiled: bf16 vs GaussWS vs plain-PyTorch eq. 3
     python bench.py --only train --table1 --compile   # + paper A Table 1 (llama-134m ... 70b-4l)
     python bench.py --only train --table1 --compile --no-gpt2 --models llama-1b   # one Table 1 row
@@ -20,15 +20,15 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only fsdp --eager      # the same with train.py --no-compile
     python bench.py --only fsdp --train_args "--batch_size 32 --grad_accum 1"   # other train.py flags
 
-The sections live in bench_kernels.py (optim, host, noise) and bench_training.py (train, memory,
-ddp, fsdp), the timing helpers and the JSON writer in bench_util.py. The paper-reproduction runs
-live in experiments.py and the figures in plots.py; these two run their code:
+The sections live in benchmarks/: kernels.py (optim, host, noise), training.py (train, memory, ddp,
+fsdp), capacity.py, multigpu.py, and the timing helpers and the JSON writer in util.py. bench.py
+measures speed only; the papers' quality runs and the figures are the reproduction harness's:
 
-    python bench.py --only quality --dataset D --preset small   # = python experiments.py quality ...
-    python bench.py --only plots                                # = python experiments.py plots
+    python -m experiments quality --dataset D --preset small    # the papers' loss comparisons
+    python -m experiments plots                                 # a PNG beside every results/*.json
 
 The kernels' correctness on the GPU (bit-identity with the reference, the noise law) is checked
-by test_all.py's GPU-only tests: TRITON_INTERPRET=0 python -m pytest -q test_all.py -k gpu
+by the GPU-only tests: TRITON_INTERPRET=0 python -m pytest -q test_all.py tests -k gpu
 """
 import argparse
 import re
@@ -37,7 +37,6 @@ import sys
 
 import torch
 
-from experiments import quality as experiments
 import gaussws as g
 from benchmarks.kernels import bench_host, bench_noise, bench_optim
 from benchmarks.multigpu import CASES as MULTIGPU_CASES, bench_multigpu
@@ -50,17 +49,14 @@ from trainer.flags import COMPILE_MODES, METHODS, OPTIMS, OneLineParser
 # command line
 
 def build_parser():
-    import train as trainer
-    ap = OneLineParser(prog="bench.py", description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "capacity", "ddp", "multigpu",
-                                       "fsdp", "quality", "plots"],
-                    default=None, help="run one section (default: all but capacity, ddp and quality); quality and "
-                                       "plots run experiments.py's code")
-    ap.add_argument("--dataset", default="stdlib", help="--only ddp/fsdp/quality: train.py's --dataset")
+                                       "fsdp"],
+                    default=None, help="run one section (default: optim, noise, memory and train)")
+    ap.add_argument("--dataset", default="stdlib", help="--only ddp/multigpu/fsdp: train.py's --dataset")
     ap.add_argument("--iters", type=int, default=None,
-                    help="--only ddp: training steps (default 300); --only fsdp: (default 40); --only quality: train.py --max_iters "
-                         "instead of --tokens_per_param")
+                    help="--only ddp: training steps (default 300); --only multigpu: (default 150); --only fsdp: "
+                         "(default 40)")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
     ap.add_argument("--compile", nargs="?", const="model", choices=["model", "blocks"], default=None,
                     help="--only train --table1: torch.compile each model whole (slow to start: minutes for the "
@@ -84,14 +80,14 @@ def build_parser():
     ap.add_argument("--eager", action="store_true", help="--only fsdp: train.py --no-compile")
     ap.add_argument("--reps", type=int, default=3,
                     help="--only fsdp: interleaved repetitions (plain, fsdp, plain, fsdp, ...)")
-    experiments.add_quality_args(ap.add_argument_group("--only quality (as experiments.py quality)"),
-                                 skip=("--dataset", "--iters"))
+    ap.add_argument("--train_args", default="",
+                    help='--only multigpu/fsdp: extra train.py flags, e.g. "--batch_size 32 --grad_accum 1"; '
+                         'a single flag needs the = form: --train_args=--no-compile')
     return ap
 
 
 def multigpu_cases(ap, text):
     """--cases as (method, optim) pairs; one-line error naming what is allowed."""
-    import train as trainer
     pairs = [tuple(x.split("/")) for x in text.split(",") if x]
     bad = [x for x in text.split(",") if len(x.split("/")) != 2 or x.split("/")[0] not in METHODS
            or x.split("/")[1] not in OPTIMS]
@@ -104,7 +100,6 @@ def multigpu_cases(ap, text):
 def check_args(ap, args):
     """One-line errors for values the sections would only trip over mid-run (the train section's
     flags only where it runs: elsewhere say_unread_flags names them)."""
-    import train as trainer
     if args.only in (None, "train"):
         methods = args.methods.split(",")
         for name, vals, allowed in (("--methods", methods, ("bf16",) + g.METHODS),
@@ -138,12 +133,9 @@ def check_args(ap, args):
 
 
 # the sections that read each flag (--only unset: optim, noise, memory and train)
-READ_BY = dict(quick=("optim",), dataset=("ddp", "multigpu", "fsdp", "quality"),
-               iters=("ddp", "multigpu", "fsdp", "quality"), cases=("multigpu",),
-               eager=("fsdp",), reps=("fsdp",), train_args=("multigpu", "fsdp", "quality"),
-               **{k: ("train",) for k in ("modes", "pairs", "gpt2", "table1", "methods", "optims", "compile", "models")},
-               **{k: ("quality",) for k in ("experiments", "jobs", "out_dir", "overwrite", "preset", "resume", "seeds",
-                                            "tokens_per_param")})
+READ_BY = dict(quick=("optim",), dataset=("ddp", "multigpu", "fsdp"), iters=("ddp", "multigpu", "fsdp"),
+               cases=("multigpu",), eager=("fsdp",), reps=("fsdp",), train_args=("multigpu", "fsdp"),
+               **{k: ("train",) for k in ("modes", "pairs", "gpt2", "table1", "methods", "optims", "compile", "models")})
 
 
 def say_unread_flags(ap, args):
@@ -156,26 +148,26 @@ def say_unread_flags(ap, args):
               f"{', '.join(unread)}", flush=True)
 
 
+# sections that left bench.py (speed only) for the reproduction harness
+MOVED = {"quality": "python -m experiments quality", "plots": "python -m experiments plots"}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
+    only = [b for a, b in zip(argv, argv[1:]) if a == "--only"] + [a[7:] for a in argv if a.startswith("--only=")]
+    if only and only[-1] in MOVED:
+        ap.error(f"--only {only[-1]}: bench.py measures speed only; run {MOVED[only[-1]]} (same flags otherwise)")
     args = ap.parse_args(argv)
     check_args(ap, args)
     say_unread_flags(ap, args)
     if args.only == "host":   # CPU only: the step's Python work, the GPU launches stubbed out
         save("host", bench_host())
         return
-    if args.only in ("quality", "plots"):
-        if args.only == "plots":
-            experiments.main(["plots"])
-        else:   # --only quality is training runs: CPU works (slowly)
-            # the JSON's command in one spelling, experiments.py's (the README's), whichever runs it
-            rest = [a for a in argv if a not in ("--only", "quality", "--only=quality")]
-            experiments.run_quality(args, ap, "bench.py", "python experiments.py quality " + shlex.join(rest))
-        return
     if not torch.cuda.is_available():
         raise SystemExit(f"bench.py {'--only ' + args.only if args.only else '(all sections)'} needs a CUDA "
-                         "GPU; --only host, quality and plots also run on CPU (the tests cover correctness on CPU)")
+                         "GPU; --only host runs on CPU (the tests cover correctness on CPU, and `python -m "
+                         "experiments quality` trains the papers' quality runs on CPU too)")
     if args.only in (None, "optim"):
         save("optim", bench_optim(args.quick))
     if args.only in (None, "noise"):
