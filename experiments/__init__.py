@@ -1,2 +1,3 @@
-"""The papers' reproduction harness: quality runs (quality, runs), figures (plots), diagnostics
-(tools). `python -m experiments quality ...`, `python -m experiments plots`."""
+"""The papers' reproduction harness: quality runs (quality, runs), their numbers (metrics), paper A's
+experiment 5 (cast), figures (plots), diagnostics (tools). `python -m experiments quality ...`,
+`python -m experiments plots`, `python -m experiments.tools ...`."""

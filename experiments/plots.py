@@ -185,7 +185,7 @@ def plot_results(paths):
         try:
             png = _plot_one(plt, r, section, path, stem)
         except (KeyError, TypeError, ValueError, IndexError) as e:
-            print(f"(no plot for {path}: not a {section} result as bench.py / experiments.py write it: "
+            print(f"(no plot for {path}: not a {section} result as bench.py / python -m experiments quality write it: "
                   f"{type(e).__name__} {e})")
             plt.close("all")
             continue

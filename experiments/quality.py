@@ -1,21 +1,21 @@
 r"""
 Paper reproduction: the quality runs (both papers' loss comparisons, same data, seeds and steps
 for every run; small models, or each claim's runs at GPT-2-124M), paper A's experiment 5
-(trained tiles cast to the Table C formats, Figure 5's learned bitwidths), and the `plots`
-command (plots.py draws the figures from the result JSON files). Runs on CPU or GPU; speed is
-measured by bench.py.
+(cast.py: trained tiles cast to the Table C formats, Figure 5's learned bitwidths), and the
+`plots` command (plots.py draws the figures from the result JSON files). The run folders'
+machinery is runs.py, the numbers' reading (gaps, verdicts, tables) metrics.py. Runs on CPU or
+GPU; speed is measured by bench.py.
 
-    python experiments.py quality --dataset D --preset small   # the papers' loss comparisons
-    python experiments.py quality --preset mini --dataset D --seeds 0,1,2,3 --tokens_per_param 20 \
+    python -m experiments quality --dataset D --preset small   # the papers' loss comparisons
+    python -m experiments quality --preset mini --dataset D --seeds 0,1,2,3 --tokens_per_param 20 \
         --jobs 20 --train_args "--tokenizer byte --batch_size 128"   # 20 concurrent train.py runs
-    python experiments.py quality --suite gpt2 --preset gpt2-124m --dataset D --iters 2880 --seeds 0,1,2 \
+    python -m experiments quality --suite gpt2 --preset gpt2-124m --dataset D --iters 2880 --seeds 0,1,2 \
         --jobs 3 --resume --max_runs 11 --out_dir out-q124 --train_args "--tokenizer gpt2 --eval_interval 240"
         # results/quality.md section 16; --resume continues from what out-q124 holds; --max_runs 0:
         # only the tables, JSON and figures, e.g. from results/quality_gpt2/runs.tar.xz extracted there
-    python experiments.py plots                        # a PNG beside every results/*.json
-    python experiments.py plots results/X_optim.json   # the named files only
+    python -m experiments plots                        # a PNG beside every results/*.json
+    python -m experiments plots results/X_optim.json   # the named files only
 
-`python bench.py --only quality ...` and `python bench.py --only plots` run the same code.
 A quality run writes its run folders and loss-curve PNGs to --out_dir and its result to
 results/<gpu>_<date>_quality.json (with --out_dir: <out_dir>/quality.json).
 """
@@ -30,13 +30,13 @@ import sys
 
 import torch
 
-import gaussws as g
-from lowbit.pqt.export import CAST_SWEEP, cast_tiles, cast_to_tiers
 from benchmarks.util import save
-from experiments.plots import plot_bitwidth, plot_cast, plot_quality, plot_results
 from experiments import runs as quality_runs
-from trainer.checkpoint import load_checkpoint
+from experiments.cast import save_cast
+from experiments.metrics import bytes_per_param, noise_floor, paired_gap, quality_tables, trained_on, verdict
+from experiments.plots import plot_bitwidth, plot_cast, plot_quality, plot_results
 from trainer.util import RunError
+
 # ---------------------------------------------------------------------------------------------
 # quality: the papers' comparisons at small scale, same data, seeds and steps for every run
 
@@ -106,53 +106,6 @@ def _run_dir(out_dir, method, optim, extra, tag, seed):
     return os.path.join(out_dir, f"{method}_{optim}{flags}{'_' + tag if tag else ''}_s{seed}")
 
 
-def _gap(seeds, per, base):
-    """Gap of a run's final val losses to the baseline's, paired by seed (same seed: same data
-    order and initial weights): (mean, standard error or None with one pair, [(seed, gap)])."""
-    pairs = [(s, r["final_val_loss"] - b["final_val_loss"]) for s, r, b in zip(seeds, per, base)
-             if r and b and r["final_val_loss"] is not None and b["final_val_loss"] is not None
-             and r["diverged_at"] is None and b["diverged_at"] is None]
-    gaps = [g for _, g in pairs]
-    if not gaps:
-        return None, None, []
-    mean = sum(gaps) / len(gaps)
-    se = (sum((x - mean) ** 2 for x in gaps) / (len(gaps) - 1) / len(gaps)) ** 0.5 if len(gaps) > 1 else None
-    return mean, se, pairs
-
-
-def _noise_floor(res):
-    """The same-seed rerun spread: the largest |gap| of experiment "noise"'s reruns to their
-    first run (the same flags and seed twice; GPU kernels that add in no fixed order part them
-    from the first steps). None without such an experiment or before its runs finish."""
-    gaps = [abs(g) for r in list(res.get("noise", {}).values())[1:] for _, g in r["gap_per_seed"]]
-    return max(gaps) if gaps else None
-
-
-# Student's t, two-sided 95 %, by degrees of freedom (n - 1 for n paired seeds)
-_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
-
-
-def _verdict(gap, se, floor, n):
-    """A gap to the baseline (mean of n seeds' paired gaps, standard error se) judged against the
-    noise: "within noise" when |gap| is at most the larger of the 95 % t half-width t(n-1) se and
-    the same-seed rerun spread `floor`, else "worse" or "better". None when neither bound is
-    above 0: one seed and no rerun, or a spread of 0 (CPU runs repeat bit for bit, so a rerun
-    measures nothing there)."""
-    bound = max(_T95.get(n - 1, 2.0) * se if se and n > 1 else 0.0, floor or 0.0)
-    if gap is None or not bound:
-        return None
-    return "within noise" if abs(gap) <= bound else "worse" if gap > 0 else "better"
-
-
-def _bytes_per_param(run, extra):
-    """Weights + optimizer states in bytes per parameter: 2 for BF16 parameters, else 4, plus the
-    measured state (the summary's optimizer_state_mb over its parameter count)."""
-    if not run or not run["params"] or run["optimizer_state_mb"] is None:
-        return None
-    weights = 2 if "bf16" in [b for a, b in zip(extra, extra[1:]) if a == "--param_dtype"] else 4
-    return weights + run["optimizer_state_mb"] * 2 ** 20 / run["params"]
-
-
 def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=QUALITY, jobs=1,
                   cast=True, command=None, resume=False, max_runs=None, overwrite=False):
     """Train every run of `experiments` for each seed with the same train.py flags (`train_args`:
@@ -202,7 +155,6 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     report = max_runs == 0   # train nothing: read the run folders as they are
     if runs and not report:   # a flag train.py refuses stops here, before any run folder is read or written
         quality_runs.prepare_data(run_argv(*next(iter(runs))), prepare=False)
-    from trainer.util import RunError
     held = [d for d in runs.values()
             if any(os.path.exists(os.path.join(d, f)) for f in ("log.jsonl", "ckpt.pt", "ckpt"))]
     if held and not (resume or overwrite):
@@ -270,7 +222,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             finals = [r["final_val_loss"] for _, r in done]
             ok = bool(finals) and all(x is not None and math.isfinite(x) for x in finals)
             base = per if base is None else base
-            gap, gap_se, gaps = _gap(exp_seeds, per, base)
+            gap, gap_se, gaps = paired_gap(exp_seeds, per, base)
             first = done[0][1] if done else None
             rows[label] = dict(
                 method=method, optim=optim, flags=list(extra), seeds=[s for s, _ in done], final_val_loss=finals,
@@ -278,7 +230,7 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                 gap_to_first=gap, gap_se=gap_se, gap_per_seed=gaps,
                 final_train_loss=[r["final_train_loss"] for _, r in done],
                 diverged_at=[r["diverged_at"] for _, r in done],
-                bytes_per_param=_bytes_per_param(first, extra),
+                bytes_per_param=bytes_per_param(first, extra),
                 **{k: first[k] if first else None for k in ("optimizer_state_mb", "peak_mem_mb", "tokens_per_s")},
                 curves=[dict(seed=s, val=r["val_curve"], train=r["train_curve"]) for s, r in done])
         if exp == "optim":
@@ -289,10 +241,10 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
                                                     if gap_ao and gap_ao > 0 and r["gap_to_first"] is not None
                                                     else None)
         res[exp] = rows
-    floor = _noise_floor(res)
+    floor = noise_floor(res)
     for exp, rows in res.items():
         for i, r in enumerate(rows.values()):
-            r["verdict"] = (_verdict(r["gap_to_first"], r["gap_se"], floor, len(r["gap_per_seed"]))
+            r["verdict"] = (verdict(r["gap_to_first"], r["gap_se"], floor, len(r["gap_per_seed"]))
                             if i and exp != "noise" else None)
         print(f"[{exp}] " + "; ".join(
             f"{k}: " + (f"{v['mean']:.4f} ({v['gap_to_first']:+.4f}"
@@ -305,8 +257,8 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
             for k, v in rows.items()))
         plot_quality(exp, rows, os.path.join(out_dir, f"{exp}.png"), train_loss=exp == "zeropoint",
                      noise_floor=floor)
-    out = dict(command=command or f"python experiments.py quality  # train.py {' '.join(train_args)}",
-               seeds=list(seeds), noise_floor=floor, experiments=res, **_trained_on(read.values()))
+    out = dict(command=command or f"python -m experiments quality  # train.py {' '.join(train_args)}",
+               seeds=list(seeds), noise_floor=floor, experiments=res, **trained_on(read.values()))
     if casts:
         found = [(label, read[d]["cast"]) for d, label in casts.items() if read[d] and read[d]["cast"]]
         out["cast"] = {label: c["row"] for label, c in found}
@@ -327,200 +279,50 @@ def bench_quality(train_args, seeds=(0, 1), out_dir="out-quality", experiments=Q
     return out
 
 
-def _trained_on(reads):
-    """The result's gpu / torch / triton: the machine the runs trained on, from their summaries
-    (not the machine that reads them back), and trained_on: each machine and its run count."""
-    machines = [r["machine"] for r in reads if r]
-    if not machines:
-        return {}
-    count = {}
-    for m in machines:
-        key = "not recorded" if not m else f"{m['device']}, torch {m['torch']}, triton {m['triton']}"
-        count[key] = count.get(key, 0) + 1
-    one = machines[0] if len(count) == 1 and machines[0] else None
-    said = "not recorded in the runs' logs" if list(count) == ["not recorded"] else "several: see trained_on"
-    return dict(gpu=one["device"].replace(" ", "-") if one else said, torch=one["torch"] if one else said,
-                triton=one["triton"] if one else said, trained_on=count)
-
-
-def quality_tables(out):
-    """Markdown tables of a bench_quality result, one per experiment: each run's seeds, mean final
-    val loss, gap to the experiment's first run paired by seed (+- standard error), weights +
-    optimizer state per parameter, for "optim" the share of TorchAO's gap closed, and the verdict
-    against the noise (_verdict) where one is known; then experiment 5's casts per run."""
-    floor = out.get("noise_floor")
-    lines = [] if floor is None else [f"same-seed rerun spread: {floor:.4f}"
-                                      + (" (the reruns repeat bit for bit: no bound from it)" if not floor else ""),
-                                      "verdict: within noise when |gap| <= max(95 % t half-width of the paired "
-                                      "gaps, the rerun spread)", ""]
-    for exp, rows in out["experiments"].items():
-        optim = exp == "optim"
-        lines += [f"**{exp}**", "",
-                  "| run | seeds | val loss | gap ± s.e. | B/param |" + (" TorchAO gap closed |" if optim else "")
-                  + " verdict |",
-                  "|---|---|---:|---:|---:|" + ("---:|" if optim else "") + "---|"]
-        for i, (label, r) in enumerate(rows.items()):
-            gap = "—" if r["gap_to_first"] is None or not i else f"{r['gap_to_first']:+.4f}" + (
-                f" ± {r['gap_se']:.4f}" if r.get("gap_se") else "")
-            mean = "pending" if not r["seeds"] else "diverged" if r["mean"] is None else f"{r['mean']:.4f}"
-            bpp = "—" if r.get("bytes_per_param") is None else f"{r['bytes_per_param']:.2f}"
-            share = r.get("share_of_torchao_gap_closed")
-            lines.append(f"| {label} | {','.join(map(str, r['seeds'])) or '—'} | {mean} | {gap} | {bpp} |"
-                         + (f" {'—' if share is None else f'{share:.0%}'} |" if optim else "")
-                         + f" {r.get('verdict') or '—'} |")
-        if optim and all(r.get("share_of_torchao_gap_closed") is None for r in rows.values()):
-            lines.append("(TorchAO gap closed: — while the TorchAO preset is not behind 32-bit AdamW)")
-        lines.append("")
-    if out.get("cast"):   # experiment 5, one row per run and seed
-        sweep = list(next(iter(out["cast"].values()))["sweep_delta"])
-        lines += ["**experiment 5** (val loss change after each cast)", "",
-                  "| run | mean b_t | Table C tiers | Δ tier cast | " + " | ".join(f"Δ {f}" for f in sweep) + " |",
-                  "|---|---:|---|---:|" + "---:|" * len(sweep)]
-        for label, c in out["cast"].items():
-            bits = out.get("bitwidth", {}).get(label, {}).get("layers", {})
-            n = sum(v["params"] for v in bits.values())
-            b_t = f"{sum(v['mean'] * v['params'] for v in bits.values()) / n:.2f}" if n else "—"
-            tiers = ", ".join(f"{t} {v:.0%}" for t, v in c["tier_share"].items() if v)
-            lines.append(f"| {label} | {b_t} | {tiers} | {c['delta']:+.4f} | "
-                         + " | ".join(f"{c['sweep_delta'][f]:+.4f}" for f in sweep) + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# experiment 5: cast trained tiles to the FP formats of paper A Table C (and Figure 5's bitwidths)
-
-# The FP formats and the casts (FP_TIERS, CAST_SWEEP, cast_tiles, cast_to_tiers) live in lowbit/pqt/export.py.
-
-
-def load_run(run_dir, device="cpu"):
-    """(model in eval mode on device, run config, val()) from run_dir/ckpt.pt of a train.py run;
-    val() is the run's validation loss (train.evaluate on its windows, batch size, autocast dtype).
-    In eval mode GaussWSLinear layers use their weights w as they are (no noise)."""
-    import contextlib
-    import data as datamod
-    import train as trainer
-    from model import GPT, GPTConfig
-    ck = load_checkpoint(os.path.join(run_dir, "ckpt.pt"))
-    c = ck["config"]
-    model = GPT(GPTConfig(**ck["model_config"]))
-    if c["method"] != "bf16":
-        g.apply_pqt(model, method=c["method"], parts=c["parts"], b_init=c["b_init"], b_target=c["b_target"],
-                    seed=c["seed"], memory=c["pqt_memory"])
-    model.load_state_dict(ck["model"])
-    device = torch.device(device)
-    model.to(device).eval()
-    folder = datamod.prepare(c["dataset"], c["tokenizer"], data_dir=c["data_dir"], max_tokens=c["max_tokens"],
-                             verbose=False)
-    batches = datamod.Batches(folder, c["block_size"], seed=c["seed"])
-    ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if c["dtype"] == "bfloat16"
-           else contextlib.nullcontext())
-    return model, c, lambda: trainer.evaluate(model, batches, c["eval_windows"], c["batch_size"], ctx, device)
-
-
-def cast_run(d, label, device=None):
-    """Experiment 5 and paper A Figure 5 on the finished run in folder d: val loss of the plain
-    weights w before and after cast_to_tiers. GaussWS/DiffQ runs use each tile's learned
-    b_t; a BF16 run is the control: its same layers (--parts) are cast at the fixed b_target tier
-    (does PQT training make the model more tolerant than plain training?). The model's same layers
-    are also cast to every format of CAST_SWEEP in turn (from the trained weights).
-    Returns dict(row={val_loss_before, val_loss_after, delta, tier_share, tiers, sweep_delta:
-    {"e3m4": val loss change, ...}}, bitwidth=Figure 5 statistics of the learned b_t (None for
-    BF16), layers=gaussws.bitwidth_stats per layer, for plots.plot_bitwidth (None for BF16))."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, c, val = load_run(d, device)
-    before = val()
-    bits = stats = None
-    if c["method"] == "bf16":
-        g.apply_pqt(model, parts=c["parts"], b_init=c["b_target"], b_target=c["b_target"])
-        model.eval()
-        tiers = f"fixed b_target {c['b_target']:g}"
-    else:
-        stats = g.bitwidth_stats(model)
-        bits = dict(method=c["method"], layers={k: v for k, v in stats.items() if k != "all"},
-                    **{k: stats["all"][k] for k in ("mean", "std", "min", "max", "share_le5", "share_le9",
-                                                  "share_le12")})
-        tiers = "learned b_t"
-    layers = [layer for _, layer in g.pqt_layers(model)]
-    w0 = [layer.weight.detach().clone() for layer in layers]
-    sweep = {}
-    for e, mb in CAST_SWEEP:
-        with torch.no_grad():
-            for layer, w in zip(layers, w0):
-                layer.weight.copy_(cast_tiles(w, e, mb))
-        sweep[f"e{e}m{mb}"] = val() - before
-    with torch.no_grad():
-        for layer, w in zip(layers, w0):
-            layer.weight.copy_(w)
-    share = cast_to_tiers(g.pqt_layers(model))
-    after = val()
-    print(f"[cast] {label} ({tiers}): val loss {before:.4f} -> {after:.4f} ({after - before:+.4f}); "
-          + ", ".join(f"{k} {v:.1%}" for k, v in share.items() if v)
-          + "; every tile at " + ", ".join(f"{k} {v:+.4f}" for k, v in sweep.items()))
-    return dict(row=dict(val_loss_before=before, val_loss_after=after, delta=after - before, tier_share=share,
-                         tiers=tiers, sweep_delta=sweep), bitwidth=bits, layers=stats)
-
-
-def save_cast(d, label, device=None):
-    """cast_run on run folder d, written to d/cast.json (atomically): the run's experiment-5
-    numbers outlive its checkpoint."""
-    res = cast_run(d, label, device)
-    tmp = os.path.join(d, "cast.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(res, f)
-    os.replace(tmp, os.path.join(d, "cast.json"))
-    return res
-
-
 # ---------------------------------------------------------------------------------------------
 # command line
 
-def add_quality_args(ap, skip=()):
-    """The `quality` flags, added to ap (a parser or an argument group); bench.py --only quality
-    shares them and defines the flags in `skip` (--dataset, --iters) itself."""
-    flags = {
-        "--dataset": dict(default="stdlib", help="train.py's --dataset (default stdlib)"),
-        "--iters": dict(type=int, default=None, help="train.py --max_iters instead of --tokens_per_param"),
-        "--preset": dict(default="small", help="train.py's --preset (default small; gpt2-124m for --suite gpt2)"),
-        "--tokens_per_param": dict(type=float, default=None,
-                                   help="run length in training tokens per parameter (default 20; not with --iters)"),
-        "--suite": dict(default="small", choices=tuple(SUITES),
-                        help="the experiments' runs: small (default; QUALITY: small models, extra variants) or "
-                             "gpt2 (QUALITY_GPT2: each claim's runs at GPT-2-124M, with a same-seed rerun of "
-                             "seed 0 whose spread the tables' verdicts use)"),
-        "--experiments": dict(default=None,
-                              help="comma list of the suite's experiments, default all: "
-                                   + "; ".join(f"{k} {','.join(v)}" for k, v in SUITES.items())
-                                   + " (pqt adds the Table C cast and the Figure 5 chart)"),
-        "--seeds": dict(default="0,1", help="comma list of seeds (default 0,1); each run's gap to the baseline is "
-                                             "paired by seed, and a verdict says whether it is within noise: "
-                                             "|gap| <= max(95 %% t half-width, the rerun spread)"),
-        "--jobs": dict(type=int, default=1,
-                       help="concurrent train.py subprocesses (spread over visible GPUs); 1 = train in this process"),
-        "--train_args": dict(default="",
-                             help='extra train.py flags for every run, e.g. "--batch_size 32 --block_size 256"; '
-                                  'a single flag needs the = form: --train_args=--no-compile'),
-        "--out_dir": dict(default=None, help="run folders and plots; default results/quality_[cpu_]<preset>"),
-        "--resume": dict(action="store_true",
-                         help="keep what --out_dir holds: finished runs are read from their logs, "
-                              "interrupted ones continue from their checkpoints; a run folder trained with "
-                              "other train.py flags (any, --iters and --eval_interval too) is refused"),
-        "--overwrite": dict(action="store_true",
-                            help="train again the runs --out_dir already holds (without it or --resume, "
-                                 "such folders stop the command)"),
-        "--max_runs": dict(type=int, default=None,
-                           help="train at most this many runs now (seed 0 of every run first); "
-                                "the rest later with --resume; 0 trains nothing and reports what --out_dir "
-                                "holds (--dataset is then not read)"),
-    }
-    for flag, kw in flags.items():
-        if flag not in skip:
-            ap.add_argument(flag, **kw)
+def add_quality_args(ap):
+    """The `quality` command's flags, added to the parser ap."""
+    ap.add_argument("--dataset", default="stdlib", help="train.py's --dataset (default stdlib)")
+    ap.add_argument("--iters", type=int, default=None, help="train.py --max_iters instead of --tokens_per_param")
+    ap.add_argument("--preset", default="small", help="train.py's --preset (default small; gpt2-124m for --suite gpt2)")
+    ap.add_argument("--tokens_per_param", type=float, default=None,
+                    help="run length in training tokens per parameter (default 20; not with --iters)")
+    ap.add_argument("--suite", default="small", choices=tuple(SUITES),
+                    help="the experiments' runs: small (default; QUALITY: small models, extra variants) or "
+                         "gpt2 (QUALITY_GPT2: each claim's runs at GPT-2-124M, with a same-seed rerun of "
+                         "seed 0 whose spread the tables' verdicts use)")
+    ap.add_argument("--experiments", default=None,
+                    help="comma list of the suite's experiments, default all: "
+                         + "; ".join(f"{k} {','.join(v)}" for k, v in SUITES.items())
+                         + " (pqt adds the Table C cast and the Figure 5 chart)")
+    ap.add_argument("--seeds", default="0,1", help="comma list of seeds (default 0,1); each run's gap to the baseline "
+                                                   "is paired by seed, and a verdict says whether it is within noise: "
+                                                   "|gap| <= max(95 %% t half-width, the rerun spread)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="concurrent train.py subprocesses (spread over visible GPUs); 1 = train in this process")
+    ap.add_argument("--train_args", default="",
+                    help='extra train.py flags for every run, e.g. "--batch_size 32 --block_size 256"; '
+                         'a single flag needs the = form: --train_args=--no-compile')
+    ap.add_argument("--out_dir", default=None, help="run folders and plots; default results/quality_[cpu_]<preset>")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep what --out_dir holds: finished runs are read from their logs, "
+                         "interrupted ones continue from their checkpoints; a run folder trained with "
+                         "other train.py flags (any, --iters and --eval_interval too) is refused")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="train again the runs --out_dir already holds (without it or --resume, "
+                         "such folders stop the command)")
+    ap.add_argument("--max_runs", type=int, default=None,
+                    help="train at most this many runs now (seed 0 of every run first); "
+                         "the rest later with --resume; 0 trains nothing and reports what --out_dir "
+                         "holds (--dataset is then not read)")
 
 
-def run_quality(args, ap, tool, command):
-    """Check the `quality` flags of args (errors through ap.error, naming `tool`'s flags), run
-    bench_quality and save its JSON; exits non-zero when a run failed. Returns the result."""
+def run_quality(args, ap, command):
+    """Check the `quality` flags of args (errors through ap.error, the quality command's parser),
+    run bench_quality and save its JSON (its "command": `command`); exits non-zero when a run
+    failed. Returns the result."""
     suite = SUITES[args.suite]
     exps = list(suite) if args.experiments is None else [x for x in args.experiments.split(",") if x]
     bad = [x for x in exps if x not in suite]
@@ -558,19 +360,18 @@ def run_quality(args, ap, tool, command):
     for tok in train_tokens:
         flag = tok.split("=")[0]
         if flag in managed:
-            ap.error(f"--train_args {args.train_args!r}: {flag} is set per run by {tool}; "
-                     f"use {tool}'s {managed[flag]}")
+            ap.error(f"--train_args {args.train_args!r}: {flag} is set per run by the harness; "
+                     f"use {managed[flag]} instead")
     length = (["--max_iters", str(args.iters)] if args.iters
               else ["--tokens_per_param", f"{args.tokens_per_param or 20:g}"])
     out_dir = args.out_dir or f"results/quality_{'' if torch.cuda.is_available() else 'cpu_'}{args.preset}"
-    import train as trainer
     try:
         res = bench_quality(["--preset", args.preset, "--dataset", args.dataset, *length, *train_tokens],
                             seeds=seeds, out_dir=out_dir, experiments={k: suite[k] for k in exps},
                             jobs=args.jobs, resume=args.resume, command=command, max_runs=args.max_runs,
                             overwrite=args.overwrite)
     except RunError as e:   # a run's flags or files (train.py's own errors, a changed --resume)
-        ap.exit(2, f"{tool}: error: {e}\n")
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     # an explicit --out_dir keeps its JSON there; the default goes to results/ by GPU and date
     save("quality", res, os.path.join(args.out_dir, "quality.json") if args.out_dir else None)
     print(quality_tables(res))
@@ -580,7 +381,7 @@ def run_quality(args, ap, tool, command):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="experiments.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m experiments", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True, metavar="{quality,plots}")
     q = sub.add_parser("quality", help="train the QUALITY experiments and compare their losses")
@@ -603,11 +404,12 @@ def main(argv=None):
             except (OSError, ValueError) as e:
                 ap.error(f"plots {path}: not a readable result JSON ({type(e).__name__}: {str(e)[:100]})")
             if not ok:
-                ap.error(f"plots {path}: not a result JSON (a JSON object written by bench.py or experiments.py)")
+                ap.error(f"plots {path}: not a result JSON (a JSON object written by bench.py or the harness)")
         plot_results(args.paths or sorted(glob.glob(os.path.join("results", "*.json"))))
     else:
-        run_quality(args, args.parser, "experiments.py", "python experiments.py " + shlex.join(argv))
+        run_quality(args, args.parser, "python -m experiments " + shlex.join(argv))
 
 
 if __name__ == "__main__":
     main()
+

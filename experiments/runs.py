@@ -1,5 +1,5 @@
 """
-The quality harness's run folders (experiments.py's machinery): train.py runs in this process or
+The quality harness's run folders (experiments/quality.py's machinery): train.py runs in this process or
 as concurrent subprocesses spread over the visible GPUs, and what a folder says afterwards (is it
 finished, was it trained with these flags, its log's curves and its experiment-5 cast), so a
 comparison can stop anywhere and continue from what the folders hold (--resume).
@@ -26,9 +26,8 @@ def _visible_gpus():
 def prepare_data(argv, prepare=True):
     """Check the flags and (prepare=True) prepare the dataset once, as train.py would (so
     concurrent runs do not race to write the same data folder). A flag train.py refuses is a
-    train.RunError naming it."""
+    RunError naming it."""
     import data as datamod
-    import train as trainer
     p = build_parser()
 
     def error(message):   # train.py's parser's message, without train.py's usage line
@@ -43,9 +42,9 @@ def prepare_data(argv, prepare=True):
 def train_inprocess(argv, d):
     """One run in this process; a diverged run (train.py's RunError on a NaN/inf loss) is left in
     its log and reported, not raised."""
-    import train as trainer
+    import train
     try:
-        trainer.main(argv)
+        train.main(argv)
     except RunError as e:
         if "diverged" not in str(e):
             raise
@@ -88,7 +87,6 @@ def train_subprocesses(todo, jobs):
     import subprocess
     import threading
     import time
-    import train as trainer
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository root
     gpus, queue, running, failed = _visible_gpus(), list(todo), [], {}
     # a time limit or scheduler sends SIGTERM: raise SystemExit so the finally below ends the runs
@@ -141,7 +139,6 @@ def train_subprocesses(todo, jobs):
 
 def log_records(d):
     """The records of run folder d's log.jsonl ([] before the run wrote one)."""
-    import train as trainer
     return read_log(os.path.join(d, "log.jsonl"))
 
 
@@ -176,7 +173,6 @@ def same_run(d, argv, any_dataset=False):
     finished run of other flags into a comparison. any_dataset=True (a report that reads the
     folders and trains nothing) leaves --dataset out: the same corpus may lie elsewhere here.
     Returns the run's --dataset (None without argv.json)."""
-    import train as trainer
     path = os.path.join(d, "argv.json")
     if not os.path.exists(path):
         return None

@@ -2,10 +2,10 @@
 Diagnostics that print, beside bench.py's tables: where a GaussWS kernel's or a Table 1 row's time
 goes and how many launches a GaussWS layer makes. They read the code and write nothing but stdout.
 
-    python tools.py kernels                    # GPU: GaussWS apply/grad kernels over launch configs
-    python tools.py kernels --short --shapes 4096x4096,8192x8192
-    python tools.py launches                   # CPU: launches of one eager GaussWSLinear training call
-    python tools.py profile llama-3b llama-1b  # GPU: a compiled Table 1 row's device time by kernel family
+    python -m experiments.tools kernels        # GPU: GaussWS apply/grad kernels over launch configs
+    python -m experiments.tools kernels --short --shapes 4096x4096,8192x8192
+    python -m experiments.tools launches       # CPU: launches of one eager GaussWSLinear training call
+    python -m experiments.tools profile llama-3b llama-1b  # GPU: a compiled Table 1 row's device time by kernel family
 
 Each prints what it measured and how; results/README.md names the printouts kept in results/.
 """
@@ -229,7 +229,8 @@ def _shapes(text):
 
 def build_parser():
     from benchmarks.training import TABLE1
-    ap = argparse.ArgumentParser(prog="tools.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m experiments.tools", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True, metavar="{kernels,launches,profile}")
     p = sub.add_parser("kernels", help="GPU: the fused GaussWS kernels over launch configurations")
     p.add_argument("--shapes", type=_shapes, default=None, help="MxN,... (default: the Table 1 models' weight shapes)")
@@ -250,7 +251,7 @@ def main(argv=None):
         if bad:
             ap.error(f"profile {' '.join(bad)}: not a Table 1 preset; allowed: {', '.join(dict(TABLE1))}")
     if args.command in ("kernels", "profile") and not torch.cuda.is_available():
-        raise SystemExit(f"tools.py {args.command} needs a CUDA GPU; tools.py launches runs on CPU")
+        raise SystemExit(f"{ap.prog} {args.command} needs a CUDA GPU; {ap.prog} launches runs on CPU")
     if args.command == "kernels":
         shapes = args.shapes or [s for s in KERNEL_SHAPES if not args.short or s not in ((256, 2048), (768, 2048), (8192, 28672))]
         kernels(shapes, SHORT_CONFIGS if args.short else KERNEL_CONFIGS)
