@@ -305,9 +305,9 @@ def say_device_notes(args, cuda):
         say("note: --capturable changes nothing on CPU (it replays the optimizer step as a CUDA graph); "
             "the step runs as without it")
     if args.compile:
-        say("note: --compile on CPU: the first step compiles for minutes (" + ("more with PQT, "
-            if args.method != "bf16" else "") + "after which steps run faster); Ctrl-C then stops with a "
-            "checkpoint only once that step ends, a second Ctrl-C (2 s or more later) stops at once")
+        say("note: --compile on CPU: the first step compiles for minutes" + (" (longer with PQT)"
+            if args.method != "bf16" else "") + "; a Ctrl-C meanwhile stops with a checkpoint only after that "
+            "step, a second one (2 s or more later) stops at once")
 
 
 def what_trains(args):
