@@ -83,7 +83,7 @@ PRESETS = {
     "tiny": dict(_GPT2, n_layer=4, n_head=4, n_embd=128, block_size=128),
     "tiny-llama": dict(_LLAMA, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, ffn_hidden=352, block_size=128),
     "small": dict(_GPT2, n_layer=6, n_head=6, n_embd=384, block_size=256),
-    # GPU quality runs at 20 tokens/param (experiments.py quality): 2.76M params with the byte tokenizer
+    # GPU quality runs at 20 tokens/param (python -m experiments quality): 2.76M params with the byte tokenizer
     "mini": dict(_GPT2, n_layer=6, n_head=6, n_embd=192, block_size=256),
     # nanoGPT's GPT-2 124M (paper A's GPT2-124M): learned positions, tied, GELU, LayerNorm
     "gpt2-124m": dict(_GPT2, n_layer=12, n_head=12, n_embd=768, block_size=1024),
