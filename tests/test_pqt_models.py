@@ -5,6 +5,7 @@ GPT-2 (those need transformers), what a first-time user meets.
 """
 import argparse
 import copy
+import gc
 import itertools
 import math
 import warnings
@@ -573,8 +574,9 @@ def test_modules_filter_errors_name_the_module_the_value_and_the_glob():
 
 
 def test_an_optimizer_built_before_apply_pqt_gets_a_warning_naming_the_layers():
-    """It steps the weights but holds no b_i, so the bitwidths would never train: its first step
-    warns once, naming the layers (quoted: a layer may be named "0"); one built after does not."""
+    """It steps the weights but holds no b_i, so the bitwidths would never train: its second step
+    (the first lets the loop's other optimizers show they hold the b_i) warns once, naming the
+    layers (quoted: a layer may be named "0"); one built after does not."""
     x = torch.randint(0, 256, (2, 16))
     model = GPT(preset_config("nano", vocab_size=256))
     early = torch.optim.AdamW(model.parameters())
@@ -595,3 +597,74 @@ def test_an_optimizer_built_before_apply_pqt_gets_a_warning_naming_the_layers():
     assert not seen
     with pytest.raises(ValueError, match=r"already GaussWSLinear: '0'"):
         g.apply_pqt(seq, modules="0")
+
+
+def _train_steps(model, *opts, n=2):
+    """n training steps of a nano GPT, each stepping every optimizer; the warnings they raised."""
+    x = torch.randint(0, 256, (2, 16))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(n):
+            model(x, x)[1].backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    return [w for w in seen if "b_i" in str(w.message)]
+
+
+def test_apply_pqt_again_after_remove_pqt_trains_a_second_phase():
+    """Issue 46.1: apply_pqt -> remove_pqt -> apply_pqt on one model (a second training phase, a
+    sweep over b_target) works; the optimizer of the first phase, which holds the weights but not
+    the new b_i, is warned about in the second; one built after the second apply_pqt is not."""
+    model = GPT(preset_config("nano", vocab_size=256))
+    g.apply_pqt(model, b_target=4)
+    first = torch.optim.AdamW(model.parameters())
+    assert not _train_steps(model, first)
+    g.remove_pqt(model, cast="tiers")
+    names = g.apply_pqt(model, b_init=4, b_target=3)
+    assert names and all(isinstance(m, g.GaussWSLinear) for _, m in g.pqt_layers(model))
+    seen = _train_steps(model, first)
+    assert len(seen) == 1 and "built before apply_pqt" in str(seen[0].message)
+    assert "'blocks.0.attn.qkv'" in str(seen[0].message)
+    second = torch.optim.AdamW(model.parameters())
+    assert not _train_steps(model, second)
+    g.remove_pqt(model)
+    g.apply_pqt(model, modules="blocks.0.*")       # and a third time
+    assert not _train_steps(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_no_warning_when_a_second_optimizer_steps_the_b_i():
+    """Issue 52.7: the weights in an optimizer built before apply_pqt and the b_i in one built
+    after (both step every iteration): the bitwidths train, so no warning; with the weights'
+    optimizer alone, one."""
+    model = GPT(preset_config("nano", vocab_size=256))
+    weights = torch.optim.AdamW(model.parameters())
+    g.apply_pqt(model)
+    bits = torch.optim.SGD([m.b_i for _, m in g.pqt_layers(model)], lr=1e-2)
+    assert not _train_steps(model, weights, bits, n=3)
+    model = GPT(preset_config("nano", vocab_size=256))
+    weights = torch.optim.AdamW(model.parameters())
+    g.apply_pqt(model)
+    assert len(_train_steps(model, weights, n=3)) == 1
+
+
+def test_the_optimizer_check_goes_with_the_model():
+    """apply_pqt's optimizer check is no process-wide hook that lives forever: its hook goes when
+    the model is collected (and at remove_pqt)."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    gc.collect()
+    before = set(_global_optimizer_pre_hooks)
+    model = nn.Sequential(nn.Linear(64, 64))
+    g.apply_pqt(model, modules="0")
+    added = set(_global_optimizer_pre_hooks) - before
+    assert len(added) == 1
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    del model
+    gc.collect()
+    assert not added & set(_global_optimizer_pre_hooks)
+    model = nn.Sequential(nn.Linear(64, 64))
+    before = set(_global_optimizer_pre_hooks)
+    g.apply_pqt(model, modules="0")
+    added = set(_global_optimizer_pre_hooks) - before
+    g.remove_pqt(model)
+    assert len(added) == 1 and not added & set(_global_optimizer_pre_hooks)
