@@ -269,8 +269,6 @@ def test_first_step_matches_fp32_before_storage():
 # gaussws.py (paper A): the noise law (eq. 10), eq. 3, eq. 4
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
 ODD_SHAPES = [(70, 45), (33, 100), (1, 1), (64, 96)]
 
 

@@ -21,20 +21,18 @@ from test_all import chi2_sf, chi2_stat, rounded_normal_probs
 from tests.helpers import assert_same_grads, float_bits
 
 
-# ---------------------------------------------------------------------------------------------
-# adam4bit.py's kernels
-
 # markers of the GPU-only tests, which compare the compiled kernels with the reference on CUDA
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="GPU-only check needs a CUDA GPU: it compares the compiled Triton kernels with the reference "
-           "(the CPU tests above run the same kernels under the Triton interpreter)")
-
-
+           "(test_all.py runs the same kernels under the Triton interpreter on CPU)")
 needs_compiled = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") == "1",
     reason="GPU-only check needs the compiled kernels: run it with TRITON_INTERPRET=0")
 
+
+# ---------------------------------------------------------------------------------------------
+# adam4bit.py's kernels
 
 @needs_compiled
 @needs_cuda
