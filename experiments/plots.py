@@ -167,7 +167,7 @@ def plot_results(paths):
     per training-state part), noise (eq. 3 forward time per shape), ddp (1 vs N GPU loss curves),
     multigpu (per case: val loss of 1 GPU, DDP, FSDP2 and FSDP2 resumed on 1; tokens/s),
     quality (final val loss per run and seed; beside it <stem>_<experiment>.png, each
-    experiment's curves when the JSON has them, <stem>tl_cast.png for experiment 5 and
+    experiment's curves when the JSON has them, <stem>_cast.png for experiment 5 and
     <stem>_bitwidth.png, the Figure 5 chart). Returns the PNG paths written."""
     plt = _pyplot()
     if plt is None:
@@ -287,8 +287,8 @@ def _plot_one(plt, r, section, path, stem):
                              noise_floor=r.get("noise_floor"))
                 out.append(f"{stem}_{exp}.png")
         if any(v.get("sweep_delta") for v in (r.get("cast") or {}).values()):
-            plot_cast(r["cast"], f"{stem}tl_cast.png")
-            out.append(f"{stem}tl_cast.png")
+            plot_cast(r["cast"], f"{stem}_cast.png")
+            out.append(f"{stem}_cast.png")
         for label, b in (r.get("bitwidth") or {}).items():
             if b["method"] == "gaussws":
                 stats = dict(b["layers"], all={k: b[k] for k in ("share_le5", "share_le9", "share_le12")})
