@@ -13,7 +13,6 @@ import torch
 import bench
 from benchmarks import training as bench_training, util as bench_util
 from experiments.plots import plot_results
-from trainer.log import read_log as read_run_log
 
 
 def test_bench_memory_matches_the_arithmetic():
@@ -147,7 +146,7 @@ def test_bench_names_flags_the_chosen_sections_do_not_read(capsys):
     for argv, note in ((["--only", "host", "--pairs", "3", "--quick"], "not read by --only host: --quick, --pairs"),
                        (["--eager", "--reps", "2"], "not read by --only (default: optim, noise, memory, train): --eager, --reps"),
                        (["--only", "fsdp", "--reps", "2", "--iters", "20", "--train_args", "--seed 1"], None),
-                       (["--only", "quality", "--seeds", "2", "--pairs", "3"], "not read by --only quality: --pairs"),
+                       (["--only", "ddp", "--iters", "20", "--pairs", "3"], "not read by --only ddp: --pairs"),
                        (["--only", "noise", "--compile", "blocks", "--methods", "gaussws"],
                         "not read by --only noise: --methods, --compile")):
         args = ap.parse_args(argv)
@@ -158,49 +157,8 @@ def test_bench_names_flags_the_chosen_sections_do_not_read(capsys):
     assert set(bench.READ_BY) <= set(vars(ap.parse_args([])))
 
 
-def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
-    # --only quality runs on CPU; the JSON keeps the full command; --iters -> --max_iters
-    text, data_dir = corpus
-    monkeypatch.chdir(tmp_path)
-    argv = ["--only", "quality", "--preset", "nano", "--dataset", text, "--experiments", "pqt", "--seeds", "3",
-            "--iters", "2", "--train_args", f"--batch_size 4 --eval_windows 8 --tokenizer byte --data_dir {data_dir}"]
-    monkeypatch.setattr(sys, "argv", ["bench.py", *argv])
-    bench.main()
-    [path] = [os.path.join("results", f) for f in os.listdir("results") if f.endswith("_quality.json")]
-    res = json.load(open(path))
-    assert path.startswith(os.path.join("results", "cpu_"))
-    assert res["command"].startswith("python experiments.py quality --preset nano") and "--iters 2" in res["command"]
-    assert set(res["experiments"]) == {"pqt"} and res["seeds"] == [3]
-    assert set(res["experiments"]["pqt"]) == {"bf16/adamw", "gaussws/adamw", "diffq/adamw", "gaussws/adamw bits_wd 0.5"}
-    assert read_run_log(os.path.join("results", "quality_cpu_nano", "bf16_adamw_s3", "log.jsonl"))[-1]["iters"] == 2
-    # --resume: finished runs are read back, not trained again (their logs stay as they are)
-    log = os.path.join("results", "quality_cpu_nano", "gaussws_adamw_s3", "log.jsonl")
-    before = open(log).read()
-    monkeypatch.setattr(sys, "argv", ["bench.py", *argv, "--resume"])
-    capsys.readouterr()
-    bench.main()
-    said = capsys.readouterr().out
-    assert "[pqt] bf16/adamw" in said and "done:" not in said   # read from the 4 pqt runs' logs, none trained
-    assert open(log).read() == before
-    assert json.load(open(path))["experiments"] == res["experiments"]
-    # an explicit --out_dir keeps the JSON there (results/ is left alone)
-    kept = open(path).read()
-    monkeypatch.setattr(sys, "argv", ["bench.py", *argv, "--out_dir", "elsewhere"])
-    bench.main()
-    assert json.load(open(os.path.join("elsewhere", "quality.json")))["seeds"] == [3]
-    assert open(path).read() == kept
-    for bad, said in ((["--experiments", "pqt,nope"], "--experiments"), (["--seeds", "0,x"], "--seeds"),
-                      (["--seeds", "1,1"], "distinct"), (["--seeds", "-1"], ">= 0"), (["--jobs", "0"], "--jobs 0"),
-                      (["--iters", "0"], "--iters 0"), (["--out_dir", " "], "--out_dir ' ': empty"),
-                      (["--train_args", "--seed 4"], "use bench.py's --seeds"),
-                      (["--train_args=--max_iters=9"], "use bench.py's --iters"),
-                      (["--train_args", "--max_it 3"], "--max_it"),         # no abbreviation of --max_iters
-                      (["--train_args", '--tokenizer "byte'], "--train_args")):   # unbalanced quote
-        monkeypatch.setattr(sys, "argv", ["bench.py", *argv, *bad])
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as e:
-            bench.main()
-        assert e.value.code == 2 and said in capsys.readouterr().err, bad
+def test_bench_main_refuses_bad_flags_in_one_line(monkeypatch, capsys):
+    # each before any GPU check; --only quality / plots name the harness that took them over
     for bad, said in ((["--only", "train", "--table1", "--methods", "gaussws"], "bf16 first"),
                       (["--only", "train", "--table1", "--methods", "bf16,foo"], "allowed bf16"),
                       (["--only", "train", "--table1", "--methods", "nosuch"], "allowed bf16, gaussws, diffq"),
@@ -215,7 +173,9 @@ def test_bench_main_quality_on_cpu(corpus, tmp_path, monkeypatch, capsys):
                       (["--only", "ddp", "--iters", "-5"], "--iters -5"),
                       (["--only", "train", "--compile", "blocks"], "--compile without --table1"),
                       (["--only", "train", "--models", "llama-1b"], "--models without --table1"),
-                      (["--only", "train", "--table1", "--compile", "bogus"], "--compile")):
+                      (["--only", "train", "--table1", "--compile", "bogus"], "--compile"),
+                      (["--only", "quality", "--preset", "nano"], "run python -m experiments quality"),
+                      (["--only=plots"], "run python -m experiments plots")):
         monkeypatch.setattr(sys, "argv", ["bench.py", *bad])
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:

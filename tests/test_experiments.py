@@ -1,5 +1,5 @@
 """experiments/: the quality harness (runs, resume from logs, verdicts, concurrent runs, signals),
-the plots, tools.py."""
+the plots, the diagnostics (python -m experiments.tools)."""
 import json
 import math
 import os
@@ -16,6 +16,8 @@ import gaussws as g
 import train
 from benchmarks import training as bench_training
 from experiments import quality as experiments, tools
+from experiments.cast import load_run
+from experiments.metrics import noise_floor, verdict
 from experiments.plots import plot_results
 from lowbit.pqt.export import CAST_SWEEP, cast_to_tiers
 from trainer.log import read_log as read_run_log
@@ -102,7 +104,7 @@ def test_quality_verdict_weighs_a_gap_against_the_t_interval_and_the_rerun_sprea
     """A gap is "within noise" up to the larger of the 95 % t half-width of the paired gaps and the
     same-seed rerun spread, else "worse" or "better"; with no bound above 0 there is no verdict.
     The spread is the largest |gap| of experiment "noise"'s reruns to its first run."""
-    v = experiments._verdict
+    v = verdict
     assert v(0.0079, 0.0041, 0.0058, 2) == "within noise"           # 12.71 s.e. with 2 seeds
     assert v(0.03, 0.004, 0.0058, 3) == "worse" and v(0.017, 0.004, 0.0058, 3) == "within noise"   # 4.30 s.e.
     assert v(0.022, None, 0.0058, 1) == "worse" and v(-0.01, 0.001, 0.0058, 3) == "better"
@@ -110,8 +112,8 @@ def test_quality_verdict_weighs_a_gap_against_the_t_interval_and_the_rerun_sprea
     assert v(0.0011, 0.001, None, 20) == "within noise" and v(0.0021, 0.001, None, 20) == "worse"   # ~2 s.e.
     rows = lambda *gaps: {"base": dict(gap_per_seed=[]), **{f"r{i}": dict(gap_per_seed=[(0, g)])  # noqa: E731
                                                              for i, g in enumerate(gaps)}}
-    assert experiments._noise_floor({"noise": rows(-0.0058, 0.003)}) == 0.0058
-    assert experiments._noise_floor({"pqt": rows(0.1)}) is None and experiments._noise_floor({"noise": rows()}) is None
+    assert noise_floor({"noise": rows(-0.0058, 0.003)}) == 0.0058
+    assert noise_floor({"pqt": rows(0.1)}) is None and noise_floor({"noise": rows()}) is None
 
 
 def test_quality_keeps_finished_runs_checks_train_flags_first_and_reports_without_training(corpus, tmp_path,
@@ -227,7 +229,7 @@ def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
         assert v["mean"] == pytest.approx(logged[k]["mean"], abs=1e-12) and v["min"] <= v["mean"] <= v["max"]
 
     # a cast model's tiles are on their formats' grids: casting again is lossless
-    model, cfg, val = experiments.load_run(str(tmp_path / "gaussws_adamw_s0"))
+    model, cfg, val = load_run(str(tmp_path / "gaussws_adamw_s0"))
     assert val() == cast["gaussws/adamw s0"]["val_loss_before"]
     cast_to_tiers(g.pqt_layers(model))
     once = val()
@@ -255,16 +257,57 @@ def test_quality_runner_concurrent_end_to_end(corpus, tmp_path, monkeypatch):
     assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
+def test_quality_main_on_cpu(corpus, tmp_path, monkeypatch, capsys):
+    # python -m experiments quality runs on CPU; the JSON keeps the full command; --iters -> --max_iters
+    text, data_dir = corpus
+    monkeypatch.chdir(tmp_path)
+    argv = ["quality", "--preset", "nano", "--dataset", text, "--experiments", "pqt", "--seeds", "3",
+            "--iters", "2", "--train_args", f"--batch_size 4 --eval_windows 8 --tokenizer byte --data_dir {data_dir}"]
+    experiments.main(argv)
+    [path] = [os.path.join("results", f) for f in os.listdir("results") if f.endswith("_quality.json")]
+    res = json.load(open(path))
+    assert path.startswith(os.path.join("results", "cpu_"))
+    assert res["command"].startswith("python -m experiments quality --preset nano") and "--iters 2" in res["command"]
+    assert set(res["experiments"]) == {"pqt"} and res["seeds"] == [3]
+    assert set(res["experiments"]["pqt"]) == {"bf16/adamw", "gaussws/adamw", "diffq/adamw", "gaussws/adamw bits_wd 0.5"}
+    assert read_run_log(os.path.join("results", "quality_cpu_nano", "bf16_adamw_s3", "log.jsonl"))[-1]["iters"] == 2
+    # --resume: finished runs are read back, not trained again (their logs stay as they are)
+    log = os.path.join("results", "quality_cpu_nano", "gaussws_adamw_s3", "log.jsonl")
+    before = open(log).read()
+    capsys.readouterr()
+    experiments.main([*argv, "--resume"])
+    said = capsys.readouterr().out
+    assert "[pqt] bf16/adamw" in said and "done:" not in said   # read from the 4 pqt runs' logs, none trained
+    assert open(log).read() == before
+    assert json.load(open(path))["experiments"] == res["experiments"]
+    # an explicit --out_dir keeps the JSON there (results/ is left alone)
+    kept = open(path).read()
+    experiments.main([*argv, "--out_dir", "elsewhere"])
+    assert json.load(open(os.path.join("elsewhere", "quality.json")))["seeds"] == [3]
+    assert open(path).read() == kept
+    for bad, said in ((["--experiments", "pqt,nope"], "--experiments"), (["--seeds", "0,x"], "--seeds"),
+                      (["--seeds", "1,1"], "distinct"), (["--seeds", "-1"], ">= 0"), (["--jobs", "0"], "--jobs 0"),
+                      (["--iters", "0"], "--iters 0"), (["--out_dir", " "], "--out_dir ' ': empty"),
+                      (["--train_args", "--seed 4"], "use --seeds instead"),
+                      (["--train_args=--max_iters=9"], "use --iters instead"),
+                      (["--train_args", "--max_it 3"], "--max_it"),         # no abbreviation of --max_iters
+                      (["--train_args", '--tokenizer "byte'], "--train_args")):   # unbalanced quote
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            experiments.main([*argv, *bad])
+        assert e.value.code == 2 and said in capsys.readouterr().err, bad
+
+
 def test_quality_bench_sigterm_ends_its_runs(corpus, tmp_path):
-    """A time limit's SIGTERM to `bench.py --only quality --jobs 2` also ends its train.py runs."""
+    """A time limit's SIGTERM to `python -m experiments quality --jobs 2` also ends its train.py runs."""
     import signal
     import time
     text, data_dir = corpus
     out = str(tmp_path / "q")
-    cmd = [sys.executable, bench.__file__, "--only", "quality", "--preset", "nano", "--dataset", text,
+    cmd = [sys.executable, "-m", "experiments", "quality", "--preset", "nano", "--dataset", text,
            "--experiments", "pqt", "--seeds", "0", "--iters", "100000", "--jobs", "2", "--out_dir", out,
            "--train_args", f"--batch_size 4 --eval_windows 8 --tokenizer byte --data_dir {data_dir}"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     started = 0
     for line in p.stdout:
@@ -293,7 +336,7 @@ def test_quality_bench_sigterm_ends_its_runs(corpus, tmp_path):
 
 
 def test_plot_results_draws_every_h200_section(tmp_path, capsys):
-    """experiments.py plots: one PNG per committed GPU result JSON (optim, memory, noise, ddp)."""
+    """python -m experiments plots: one PNG per committed GPU result JSON (optim, memory, noise, ddp)."""
     pytest.importorskip("matplotlib")
     import glob
     import shutil
@@ -311,9 +354,9 @@ def test_plot_results_draws_every_h200_section(tmp_path, capsys):
 
 
 def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
-    """experiments.py quality takes bench.py --only quality's flags and names its own in errors;
-    experiments.py plots skips a file without a known section; bench.py --help lists both."""
-    for bad, said in ((["--seeds", "1,1"], "distinct"), (["--train_args", "--seed 4"], "use experiments.py's --seeds"),
+    """python -m experiments quality names its own flags in errors; plots skips a file without a
+    known section; bench.py (speed only) sends --only quality and --only plots to the harness."""
+    for bad, said in ((["--seeds", "1,1"], "distinct"), (["--train_args", "--seed 4"], "use --seeds instead"),
                       (["--suite", "gpt2", "--experiments", "pqt,bits"], "unknown bits in --suite gpt2"),
                       (["--max_runs", "-1"], "--max_runs -1"),
                       (["--iters", "2", "--tokens_per_param", "1"], "give one run length"),
@@ -322,7 +365,10 @@ def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             experiments.main(["quality", "--preset", "nano", *bad])
         assert e.value.code == 2 and said in capsys.readouterr().err, bad
-    assert "--tokens_per_param" in bench.build_parser().format_help()
+    for section in ("quality", "plots"):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--only", section])
+        assert e.value.code == 2 and f"run python -m experiments {section}" in capsys.readouterr().err
     pytest.importorskip("matplotlib")
     (tmp_path / "mystery.json").write_text("{}")
     experiments.main(["plots", str(tmp_path / "mystery.json")])
@@ -330,7 +376,7 @@ def test_experiments_main_checks_quality_flags_and_plots(tmp_path, capsys):
 
 
 def test_tools_parses_each_subcommand_and_finds_what_it_calls(capsys):
-    """tools.py: each subcommand's flags parse, bad values are one-line errors, the GPU ones say so
+    """python -m experiments.tools: each subcommand's flags parse, bad values are one-line errors, the GPU ones say so
     on CPU, and the gaussws and bench_training functions they call exist (a rename shows here)."""
     ap = tools.build_parser()
     assert ap.parse_args(["kernels", "--short", "--shapes", "4096x4096,768x2048"]).shapes == [(4096, 4096), (768, 2048)]
@@ -346,5 +392,5 @@ def test_tools_parses_each_subcommand_and_finds_what_it_calls(capsys):
     assert all(callable(getattr(bench_training, n)) for n in ("train_setup", "queued_steps_ms", "device_ops"))
     if not torch.cuda.is_available():
         for cmd in ("kernels", "profile"):
-            with pytest.raises(SystemExit, match=f"tools.py {cmd} needs a CUDA GPU"):
+            with pytest.raises(SystemExit, match=f"python -m experiments.tools {cmd} needs a CUDA GPU"):
                 tools.main([cmd])

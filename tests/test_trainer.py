@@ -25,12 +25,15 @@ import torch.nn as nn
 import adam4bit as A
 import data as datamod
 import train
+import trainer.dist
 from benchmarks import training as bench_training
 from model import GPT, preset_config
 from trainer.checkpoint import CKPT_FORMAT, RESUME_DEFAULTS, check_out_dir, check_resume_config, dcp_state, load_checkpoint, resume_path, save_checkpoint
-from trainer.dist import Process, setup_distributed, shard_model
+from trainer.dist import Process, set_grad_accum, setup_distributed, shard_model
 from trainer.flags import DEFAULT_LR, build_parser, resolve_args
 from trainer.log import Interrupts, read_log as read_run_log
+from trainer.memory import check_activations_fit
+from trainer.optim import get_lr, quantized_summary
 from trainer.util import RunError
 
 from tests.helpers import ROOT, assert_one_line_flag_error, base_args, hold_lock_then, kernel_launcher, nano_args, read_log
@@ -41,7 +44,7 @@ from tests.helpers import ROOT, assert_one_line_flag_error, base_args, hold_lock
 
 def test_wsd_schedule_endpoints():
     lr, T = 1.0, 100  # 10 warmup steps, 80 constant, 10 cooldown steps
-    f = lambda it: train.get_lr(it, T, lr, "wsd")  # noqa: E731
+    f = lambda it: get_lr(it, T, lr, "wsd")  # noqa: E731
     assert f(0) == pytest.approx(0.1) and f(4) == pytest.approx(0.5) and f(9) == pytest.approx(1.0)
     assert all(f(it) == 1.0 for it in range(10, 91))      # constant, including the first cooldown step
     assert f(95) == pytest.approx(1 - math.sqrt(0.5))      # 1 - sqrt(u), u = 5/10
@@ -52,16 +55,16 @@ def test_wsd_schedule_endpoints():
 
 def test_cosine_and_constant_schedules():
     T = 100
-    assert train.get_lr(10, T, 1.0, "cosine") == pytest.approx(1.0)
-    assert train.get_lr(55, T, 1.0, "cosine") == pytest.approx(0.1 + 0.9 * 0.5)   # halfway: mean of peak and floor
-    assert train.get_lr(100, T, 1.0, "cosine") == pytest.approx(0.1)
-    assert train.get_lr(5, T, 1.0, "constant") == pytest.approx(0.6)
-    assert train.get_lr(99, T, 1.0, "constant") == 1.0
+    assert get_lr(10, T, 1.0, "cosine") == pytest.approx(1.0)
+    assert get_lr(55, T, 1.0, "cosine") == pytest.approx(0.1 + 0.9 * 0.5)   # halfway: mean of peak and floor
+    assert get_lr(100, T, 1.0, "cosine") == pytest.approx(0.1)
+    assert get_lr(5, T, 1.0, "constant") == pytest.approx(0.6)
+    assert get_lr(99, T, 1.0, "constant") == 1.0
 
 
 def test_wsd_schedule_recomputed_for_a_longer_run():
     # the continuity facts the --max_iters help and the module docstring state (T = 100 -> N)
-    f = lambda it, n: train.get_lr(it, n, 1.0, "wsd")  # noqa: E731
+    f = lambda it, n: get_lr(it, n, 1.0, "wsd")  # noqa: E731
     assert all(f(it, 100) == f(it, 200) == 1.0 for it in range(20, 90))   # stopped on both plateaus: no jump
     assert f(99, 100) == pytest.approx(1 - math.sqrt(1 - 1 / 10)) and f(100, 100) == 0.0   # finished, cooled down
     assert f(100, 200) == 1.0 and all(f(it, 200) == 1.0 for it in range(100, 181))      # back to the plateau
@@ -223,9 +226,9 @@ def test_cpu_threads_chosen_and_an_explicit_choice_kept(corpus, tmp_path, monkey
     p, proc = build_parser(), Process(ddp=False, rank=0, world=1, device="cpu")
 
     def threads_after_setup(*flags, torch_default=4, caller=None):
-        monkeypatch.setattr(train, "TORCH_THREADS", torch_default)   # as if imported on a 4-core machine
+        monkeypatch.setattr(trainer.dist, "TORCH_THREADS", torch_default)   # as if imported on a 4-core machine
         torch.set_num_threads(caller or torch_default)
-        train.setup_threads(p.parse_args(["--preset", "nano", *flags]), proc)
+        trainer.dist.setup_threads(p.parse_args(["--preset", "nano", *flags]), proc)
         return torch.get_num_threads(), capsys.readouterr().out
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
@@ -281,12 +284,15 @@ def test_smoke_every_method_and_optimizer(corpus, tmp_path, method, optim):
         assert 4.0 <= steps[-1]["b_t_mean"] <= 6.5
 
 
-def test_adam_mini_missing_or_runs(corpus, tmp_path):
+def test_adam_mini_missing_or_runs(corpus, tmp_path, capsys):
     try:
         import adam_mini  # noqa: F401
-    except ImportError:
-        with pytest.raises(RunError, match="pip install adam-mini"):
-            train.main(base_args(corpus, tmp_path / "o", "--optim", "adam-mini", "--max_iters", "2"))
+    except ImportError:   # refused with the flags, before any data is prepared or model built
+        flags = base_args((corpus[0], str(tmp_path / "data")), tmp_path / "o", "--optim", "adam-mini", "--max_iters", "2")
+        with pytest.raises(SystemExit) as e:
+            train.main(flags)
+        assert e.value.code == 2 and "pip install adam-mini" in capsys.readouterr().err
+        assert not os.path.exists(tmp_path / "data")
         return
     s = train.main(base_args(corpus, tmp_path / "o", "--optim", "adam-mini", "--max_iters", "20",
                              "--eval_interval", "20"))
@@ -380,7 +386,7 @@ def test_startup_line_says_which_tensors_get_4bit_states(corpus, tmp_path, capsy
         "4-bit states: 5 tensors (24.6k params); FP32 states: 10 tensors (10.4k params: blocks.0.attn.qkv.weight, "
         "blocks.1.attn.qkv.weight, wpe.weight, blocks.0.attn.out.weight, +6 more)"]
     m = nn.Linear(64, 66, bias=False)    # 4224 elements: >= 4096 but not a multiple of a 1024 block
-    assert train.quantized_summary(m, A.AdamW4bit(m.parameters(), preset="zipsr", block_size=1024)) == (
+    assert quantized_summary(m, A.AdamW4bit(m.parameters(), preset="zipsr", block_size=1024)) == (
         "4-bit states: 0 tensors (0 params); FP32 states: 1 tensors (4.2k params: weight)")
 
 
@@ -396,11 +402,11 @@ def test_a_block_size_whose_activations_cannot_fit_is_refused_and_byte_tokens_ar
     with pytest.raises(RunError, match=r"^--block_size 100000 with --batch_size 16: one micro-batch's "
                                              r"activations need at least 29 GiB, more than this device's 16 GiB "
                                              r"\(the preset's context is 128\); lower --block_size or --batch_size$"):
-        train.check_activations_fit(args, preset_config("tiny", vocab_size=256, block_size=100000), cpu)
+        check_activations_fit(args, preset_config("tiny", vocab_size=256, block_size=100000), cpu)
     args.activation_checkpointing = True
-    train.check_activations_fit(args, preset_config("tiny", vocab_size=256, block_size=100000), cpu)
+    check_activations_fit(args, preset_config("tiny", vocab_size=256, block_size=100000), cpu)
     args.activation_checkpointing, args.block_size = False, 128
-    train.check_activations_fit(args, preset_config("tiny", vocab_size=256), cpu)
+    check_activations_fit(args, preset_config("tiny", vocab_size=256), cpu)
     monkeypatch.undo()
     text, data_dir = corpus
     train.main(["--preset", "gpt2-124m", "--dataset", text, "--data_dir", data_dir, "--tokenizer", "byte",
@@ -710,7 +716,7 @@ def test_resume_with_larger_max_iters_trains_longer(corpus, tmp_path, capsys):
     steps = [r for r in log if r["type"] == "step"]
     assert [r["iter"] for r in steps] == list(range(30))
     lr = DEFAULT_LR["nano"]
-    assert [r["lr"] for r in steps[20:]] == [train.get_lr(it, 30, lr) for it in range(20, 30)]
+    assert [r["lr"] for r in steps[20:]] == [get_lr(it, 30, lr) for it in range(20, 30)]
     assert steps[19]["lr"] < lr and steps[20]["lr"] == lr    # from the cooled-down lr back to the plateau
     assert [r["iter"] for r in log if r["type"] == "eval"] == [0, 10, 20, 30]
     assert s["iters"] == s["max_iters"] == 30 and [r["type"] for r in log].count("summary") == 1
@@ -1052,16 +1058,16 @@ def test_grad_accum_not_divisible_by_the_processes(corpus, tmp_path, monkeypatch
 def test_resume_without_grad_accum_keeps_the_checkpoints_on_any_process_count():
     for given, saved, world, want in ((None, 2, 1, 2), (None, 2, 2, 2), (None, 4, 2, 4), (2, 4, 1, 2)):
         args = argparse.Namespace(grad_accum=given)
-        train.set_grad_accum(args, world, {"config": {"grad_accum": saved}})
+        set_grad_accum(args, world, {"config": {"grad_accum": saved}})
         assert args.grad_accum == want
     args = argparse.Namespace(grad_accum=None)
-    train.set_grad_accum(args, 3)
+    set_grad_accum(args, 3)
     assert args.grad_accum == 3                 # a fresh run: one micro-batch per process
     for given, said in ((None, "--grad_accum 1 (the checkpoint's) must be divisible by the number of processes (2): "
                                "resume it on a number of processes that divides 1"),
                         (3, "--grad_accum 3 must be divisible by the number of processes (2)")):
         with pytest.raises(RunError) as e:
-            train.set_grad_accum(argparse.Namespace(grad_accum=given), 2, {"config": {"grad_accum": 1}})
+            set_grad_accum(argparse.Namespace(grad_accum=given), 2, {"config": {"grad_accum": 1}})
         assert str(e.value).startswith(said) and (given is None) == ("divides" in str(e.value)), str(e.value)
 
 
@@ -1372,3 +1378,65 @@ def test_corrupt_fsdp_checkpoint_folder_is_a_one_line_error(tmp_path):
     with pytest.raises(RunError) as e:
         train.resume(args, load_checkpoint(folder), model, opt, "cpu")
     assert str(e.value).startswith(f"--resume: checkpoint {folder} cannot be read") and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# a new user's first runs: what the set-up installs, what the start-up lines say (issue 46)
+
+def test_requirements_install_what_the_readme_set_up_promises():
+    """README's set-up is `pip install -r requirements.txt`, after which a run writes loss.png: the
+    packages train.py's default run imports, and matplotlib, are requirements, not comments."""
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        names = [re.split(r"[<>=~!\s\[]", line.split("#")[0].strip())[0] for line in f]
+    assert {"torch", "triton", "numpy", "tqdm", "tiktoken", "matplotlib"} <= set(names)
+
+
+def test_capturable_on_cpu_says_it_changes_nothing(capsys):
+    p = build_parser()
+    resolve_args(p.parse_args(["--optim", "zipsr", "--capturable"]), p, False)
+    assert "note: --capturable changes nothing on CPU" in capsys.readouterr().out
+    resolve_args(p.parse_args(["--optim", "zipsr", "--capturable", "--tokenizer", "byte"]), p, True)   # CUDA
+    assert "--capturable" not in capsys.readouterr().out
+
+
+def test_compile_on_cpu_says_what_it_costs_and_a_second_ctrl_c_stops_it(corpus, tmp_path, capsys):
+    """--compile on CPU says at start-up that the first step compiles for minutes and how to stop
+    at once; during a cold compile the first SIGINT waits for the step, the second ends the run."""
+    p = build_parser()
+    resolve_args(p.parse_args(["--compile", "--method", "gaussws"]), p, False)
+    said = capsys.readouterr().out
+    assert "note: --compile on CPU: the first step compiles for minutes (longer with PQT)" in said
+    assert "a second one (2 s or more later) stops at once" in said
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # cold
+    flags = base_args(corpus, tmp_path / "o", "--compile", "--method", "gaussws", "--max_iters", "5", "--threads", "1")
+    run = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *flags], cwd=str(tmp_path), env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in run.stdout:   # the eval before step 0 is done: the loop runs, step 0 compiles
+            if "step 0: val loss" in line:
+                break
+        time.sleep(0.5)
+        run.send_signal(signal.SIGINT)
+        time.sleep(Interrupts.ECHO_S + 0.5)
+        assert run.poll() is None                     # the first signal waits for step 0, still compiling
+        run.send_signal(signal.SIGINT)
+        rc = run.wait(timeout=30)
+    finally:
+        run.kill()
+    said = run.stdout.read()
+    assert rc == 130 and "SIGINT again: exiting now" in said, said
+    assert not os.path.exists(tmp_path / "o" / "ckpt.pt")
+
+
+def test_startup_line_and_summary_name_what_trains(corpus, tmp_path, capsys):
+    """--method bf16 names no dtype: on CPU the run trains float32 weights without autocast, and
+    the start-up line and the log's summary say so (weights_dtype, autocast_dtype, pqt)."""
+    s = train.main(base_args(corpus, tmp_path / "o", "--max_iters", "1"))
+    assert (s["method"], s["weights_dtype"], s["autocast_dtype"], s["pqt"]) == ("bf16", "float32", None, None)
+    assert read_log(tmp_path / "o")[-1] == s
+    assert ("device cpu x1: float32 weights, no autocast (math in float32), no PQT (--method bf16 names no "
+            "dtype: --dtype bfloat16 for BF16 autocast), compile off") in capsys.readouterr().out
+    s = train.main(base_args(corpus, tmp_path / "p", "--max_iters", "1", "--method", "diffq", "--dtype", "bfloat16",
+                             "--param_dtype", "bf16"))
+    assert (s["weights_dtype"], s["autocast_dtype"], s["pqt"]) == ("bfloat16", "bfloat16", "diffq[all]")
+    assert "device cpu x1: bfloat16 weights, bfloat16 autocast, PQT diffq[all], compile off" in capsys.readouterr().out
