@@ -13,7 +13,7 @@ import torch
 import adam4bit
 import data as datamod
 from lowbit.pqt.checks import B_MAX, B_MIN
-from codebooks import CODEBOOKS
+from codebooks import CODEBOOKS, get_codebook
 from model import PRESETS, preset_config
 from trainer.util import rank0, say
 from lowbit.optim.args import V_ROUNDINGS, quantizer_config
@@ -405,9 +405,9 @@ def check_optimizer_flags(parser, args):
         parser.error(f"{flags}: only for the 4-bit AdamW presets (--optim {'|'.join(FOURBIT_PRESETS)}), "
                      f"not --optim {args.optim}")
     try:   # AdamW4bit's own check of its components (the preset's with these replaced)
-        quantizer_config(adam4bit.PRESETS, args.optim, block_size=128, m_codebook=None, m_rounding=None,
-                         v_codebook=over.get("v_codebook"), v_rounding=over.get("v_rounding"), eden=None,
-                         lm_head_sr_after="preset")   # block_size: AdamW4bit's default, the one train.py uses
+        quantizer_config(adam4bit.PRESETS, get_codebook, args.optim, block_size=128, m_codebook=None,
+                         m_rounding=None, v_codebook=over.get("v_codebook"), v_rounding=over.get("v_rounding"),
+                         eden=None, lm_head_sr_after="preset")   # block_size: AdamW4bit's default, train.py's
     except (ValueError, TypeError) as e:
         parser.error(f"{flags} with --optim {args.optim}: {e}")
 
