@@ -4,9 +4,8 @@ plain FP32 AdamW in one torch.optim.Optimizer, `AdamW4bit`.
 
 The file reads top to bottom: the math (below), the block quantizer, the reference step in plain
 PyTorch, the presets, the optimizer class, then the fused Triton kernel that does the same step
-(same bits given the same SR uniforms), its helpers and its wrapper. The reference step and the
-kernel use the same names and mark the same lines with the tags below ("eq. 2.1a" etc.: the paper
-section or definition they come from).
+(same bits given the same SR uniforms), its helpers and its wrapper. Reference and kernel use the
+same names and tag the same lines ("eq. 2.1a" etc.: the paper's section or definition).
 
 AdamW with update-before-storage (paper B, Sec. 2.1): the step decodes the stored moments Q(.),
 forms the working moments, updates the parameter with them (unquantized), then stores them:
@@ -50,23 +49,15 @@ even or stochastic rounding, `param_rounding`; or the 24-bit master weight of eq
 `master_weight_bits=24`, an int8 correction per weight that the step reads back).
 
 Non-finite gradients: a NaN or Inf gradient element poisons its whole block (torch's AdamW only
-that element): at step t only that parameter becomes NaN, but the block's absmax, and so its
-stored scales, become NaN or Inf, so from step t + 1 all block_size parameters of the block are
-NaN for good (reference and kernel alike). Keeping it to the element would need a NaN-aware block
-max (an instruction per element in the kernel's inner loop) and a scale other than the authors'
-absmax. The caller checks: train.py stops on a non-finite loss or gradient norm.
+that element): its block's absmax, so its stored scales, become NaN or Inf, and from the next
+step all block_size parameters of the block are NaN for good (reference and kernel alike; keeping
+it to the element would cost a NaN-aware block max per element and another scale than the
+authors' absmax). The caller checks: train.py stops on a non-finite loss or gradient norm.
 
-The machinery lives beside this file, one concern each:
-  numerics.py       float32 helpers of references and kernels (sqrt_rn, eq. 3.1, BF16 RNE)
-  sr_bits.py        the SR seed scheme and the kernels' uniforms (Philox)
-  param_write.py    the 16-bit parameter write: BF16 RTN / SR, eq. MW's 24-bit master weight
-  kernel_tables.py  the kernel's codebook lookup tables
-  launch_tables.py  the kernels' launch tables (TAB_* columns) and per-step scalars
-  quant_metrics.py  quantization-error diagnostics (Sec. 4, App. C)
-  adamw_fp32.py     AdamW on FP32 states (tensors too small to quantize)
-  fused_step.py     step()'s recorded launch plan, its replay and CUDA-graph capture
-  optim_state.py    state creation, state_dict layouts, FSDP2 (DTensor) shards
-  optim_args.py     argument and hyperparameter checks
+The machinery lives in lowbit/optim/, one concern a module: the recorded launch plan (plan.py),
+launch and lookup tables (launch.py, lut.py), states, state_dict and FSDP2 (state.py), argument
+checks (args.py), the 16-bit parameter write (param_write.py), the SR bits (sr_bits.py) and the
+FP32-state step (fp32.py); float32 helpers in lowbit/numerics.py.
 """
 import math
 import os
@@ -75,23 +66,20 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.optim import plan as fused_step
+from codebooks import get_codebook
+from lowbit.numerics import adam_denominator, f32, midpoints, sqrt_rn
 from lowbit.optim import args as optim_args
 from lowbit.optim import state as optim_state
-from lowbit.optim.fp32 import adamw_fp32_kernel, adamw_prepare
-from lowbit.optim.fp32 import adamw_fp32_launch as _adamw_launch_with
-from codebooks import get_codebook, midpoints
-from lowbit.optim.lut import join_bits, build_kernel_tables, unpair
+from lowbit.optim.fp32 import adamw_prepare
 from lowbit.optim.launch import (DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SCALE, TAB_EXP_AVG_SQ,
                                  TAB_EXP_AVG_SQ_SCALE, TAB_FIRST_PROGRAM, TAB_GRAD, TAB_N_BLOCKS, TAB_OFFSET,
-                                 TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH,
-                                 cached_tables, device_scalars, launch_scalars)
-from lowbit.numerics import adam_denominator, f32, sqrt_rn
-from lowbit.optim.args import check_block_size, check_quant_args, group_hparams
-from lowbit.optim.state import is_dtensor
-from lowbit.optim.param_write import tl_join_master, param_bits16, write_step, read_param
-from lowbit.optim.sr_bits import (sr_seed_of, tile_uniforms, tl_sr_seed, shard_offset, shard_span,
-                                  span_uniforms)
+                                 TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH, device_scalars,
+                                 prepare)
+from lowbit.optim.lut import build_kernel_tables, on_device, unpair
+from lowbit.optim.param_write import (read_param, tl_join_master, tl_load_pairs, tl_masked_load, tl_store_pairs,
+                                      write_step)
+from lowbit.optim.plan import StepPlan, hparams
+from lowbit.optim.sr_bits import shard_offset, shard_span, span_uniforms, sr_seed_of, tile_uniforms, tl_sr_seed
 
 
 # ============================================================================================
@@ -174,7 +162,7 @@ def quantize_blockwise(x, codebook, block_size=128, rule="rtn", coord="state",
     bias_correction2 or u, a non-divisible numel, or negative x with coord="update".
     """
     T = get_codebook(codebook).to(x.device)
-    check_quant_args(x, block_size, rule, coord, T, bias_correction2)
+    optim_args.check_quant_args(x, block_size, rule, coord, T, bias_correction2)
     xb = x.detach().reshape(-1, block_size).float()
     if coord == "update" and bool((xb < 0).any()):
         raise ValueError("coord='update' rounds second moments: x must be nonnegative")
@@ -208,13 +196,8 @@ def dequantize_blockwise(packed, scales, codebook, block_size=128):
     Returns flat float32 (N,). Raises TypeError if packed is not uint8, ValueError on a bad
     block_size or codebook, or sizes that do not describe one tensor.
     """
-    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
-        raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
-    check_block_size(block_size)
+    optim_args.check_dequant_args(packed, scales, block_size)
     T = get_codebook(codebook).to(packed.device)
-    if packed.numel() * 2 != scales.numel() * block_size:
-        raise ValueError(f"packed ({packed.numel()} bytes) and scales ({scales.numel()}) do not "
-                         f"describe the same tensor with block_size={block_size}")
     codes = unpack_nibbles(packed.reshape(-1))
     return (scales[:, None] * T[codes].view(-1, block_size)).view(-1)
 
@@ -268,12 +251,8 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
 
 
 # ============================================================================================
-# The presets (paper B, Table 2) and the seed scheme
-#
-# SR bits of step t depend only on (seed, t, parameter index) and the element's position in the
-# whole tensor (FSDP2 shards too): the reference steps seed their generator with sr_seed_of(seed,
-# t, index), the kernels add step_seed(seed, t) to the launch table's index_seed(index)
-# (sr_bits.py). Presets: m is always rounded in state space; v's rounding names "coord-rule".
+# The presets (paper B, Table 2): m is always rounded in state space; v's rounding names
+# "coord-rule".
 PRESETS = {
     "fp32":    dict(m_codebook=None, m_rounding=None, v_codebook=None, v_rounding=None,
                     eden=False, lm_head_sr_after=None),
@@ -285,7 +264,6 @@ PRESETS = {
                     v_rounding="update-sr", eden=False, lm_head_sr_after=0.9),
 }
 MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_size == 0
-FUSED_ADAMW_DEVICES = ("cuda",)   # where FP32-state FP32 parameters take torch's fused AdamW
 
 
 # ============================================================================================
@@ -309,7 +287,7 @@ class AdamW4bit(torch.optim.Optimizer):
         store their first moment with SR instead of RTN (0.9 for zipsr/zeeden; None = never).
     block_size:   elements per scale block (power of two, default 128). A moment is quantized
                   iff numel >= 4096 and numel % block_size == 0 and its group does not set
-                  quantize=False; others keep FP32 states (adamw_fp32.py).
+                  quantize=False; others keep FP32 states (lowbit/optim/fp32.py).
     impl:         "torch" (reference), "triton" (fused kernel, CUDA or TRITON_INTERPRET=1), or
                   "auto" (triton on CUDA tensors, torch otherwise). A codebook too dense for the
                   kernel's buckets (levels < ~0.004 apart) runs the reference under "auto" and is
@@ -323,8 +301,8 @@ class AdamW4bit(torch.optim.Optimizer):
                   step updates have 16 significant bits, not 8 (+1 B/param). RTN writes only.
                   A later cast (model.to) keeps the 24-bit weight (optim_state.fit_state).
     capturable:   False, or True (as torch's optimizers' flag): step counters and lr on the
-                  device, so step() can run inside a torch.cuda.graph capture (fused_step.py
-                  says what a capture needs). Not with FSDP2 (DTensor) parameters; betas up to
+                  device, so step() can run inside a torch.cuda.graph capture (plan.py says
+                  what a capture needs). Not with FSDP2 (DTensor) parameters; betas up to
                   ~0.99999. Same results as False (bit for bit on the kernels; torch's fused
                   AdamW of FP32-state FP32 tensors takes lr as float32).
 
@@ -332,7 +310,7 @@ class AdamW4bit(torch.optim.Optimizer):
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise;
     with master_weight_bits=24 also param_correction (int8, the parameter's shape; BF16 ones).
     state["step"] is a Python float (a float32 device tensor with capturable=True). FSDP2
-    (fully_shard) parameters: optim_state.py. NaN and Inf gradients: module docstring.
+    (fully_shard) parameters: lowbit/optim/state.py. NaN and Inf gradients: module docstring.
     Raises ValueError/TypeError for bad hyperparameters (also in param groups), unknown names, non-float
     parameters and mismatched state dicts; RuntimeError (as torch's AdamW) for sparse gradients.
     """
@@ -344,43 +322,44 @@ class AdamW4bit(torch.optim.Optimizer):
                  capturable=False):
         optim_args.check_init_args(PRESETS, lr, betas, eps, weight_decay, preset, block_size, impl, seed,
                                    param_rounding, master_weight_bits, capturable)
-        self.qcfg = cfg = optim_args.quantizer_config(PRESETS, preset, block_size, m_codebook, m_rounding,
-                                                       v_codebook, v_rounding, eden, lm_head_sr_after)
+        self.qcfg = cfg = optim_args.quantizer_config(PRESETS, get_codebook, preset, block_size, m_codebook,
+                                                      m_rounding, v_codebook, v_rounding, eden, lm_head_sr_after)
         cfg.update(param_rounding=param_rounding, master_weight_bits=master_weight_bits)
-        self.impl = impl
+        self.impl, self.capturable, self.seed, self.progress = impl, capturable, int(seed), 0.0
         # the kernel's lookup tables (CPU; copied to each device at its first step). Their buckets
         # need levels >= ~0.004 apart (bucket_lut); None: impl="torch", FP32 states, or a codebook
         # too dense for them under impl="auto" (the reference path)
         self._kernel_tabs = None
         if cfg["m_codebook"] is not None and impl != "torch":
             try:
-                self._kernel_tabs = build_kernel_tables(cfg)
+                self._kernel_tabs = build_kernel_tables(get_codebook(cfg["m_codebook"]),
+                                                        get_codebook(cfg["v_codebook"]), cfg)
             except ValueError as e:
                 if impl == "triton":
                     raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
-        self._kernel_cache = {}    # the kernels' device tables and launch tables
-        self._plan, self._plan_version = None, 0   # step()'s recorded plan and what voids it
-        self._shard_layouts = {}   # id(DTensor parameter) -> optim_state._shard_layout
-        self._local_views = {}     # id(DTensor parameter) -> (its local tensor, the step's alias)
-        self.capturable = capturable
-        self._device_bufs = {}     # capturable: lr buffers per group, capturable_bias_table per (betas, wd)
-        self.seed = int(seed)
-        self.progress = 0.0
-        self._lm_head = set()
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, quantize=True)
-        self._checked = {}         # group index -> optim_args._hparams_key at its last check
-        super().__init__(params, defaults)
+        self._lm_head = set()      # id() of the parameters mark_lm_head() marked
+        self._new_caches()
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      quantize=True))
+
+    def _new_caches(self):
+        # what the next steps rebuild when missing (a new optimizer, a copy, a loaded state dict)
+        self._kernel_cache = {}    # the kernels' device tables and launch tables (launch.prepare)
+        self._plan = StepPlan(self.capturable)    # step()'s recorded plan and what voids it
+        self._shards = optim_state.LocalShards()  # FSDP2 parameters' shard layouts and local views
+        self._checked = {}         # group index -> optim_args.hparams_key at its last check
 
     def add_param_group(self, param_group):
         """torch's add_param_group, then the group's checks (optim_args.check_new_group: its
         hyperparameters, float32/bfloat16/float16 parameters). A group that fails one is not kept."""
         super().add_param_group(param_group)
-        self._plan_version += 1
+        self._plan.invalidate()
+        gi, cfg = len(self.param_groups) - 1, self.qcfg
         try:
-            optim_args.check_new_group(self, self.param_groups[-1])
+            self._checked[gi] = optim_args.check_new_group(gi, self.param_groups[-1], self.capturable,
+                                                           cfg["param_rounding"], cfg["master_weight_bits"])
         except (TypeError, ValueError):
             self.param_groups.pop()
-            self._checked.pop(len(self.param_groups), None)
             raise
 
     # ---- trainer hooks ----------------------------------------------------------------------
@@ -390,7 +369,7 @@ class AdamW4bit(torch.optim.Optimizer):
         if not any(param is p for g in self.param_groups for p in g["params"]):
             raise ValueError("mark_lm_head: the tensor is not a parameter of this optimizer")
         self._lm_head.add(id(param))
-        self._plan_version += 1
+        self._plan.invalidate()
 
     def set_progress(self, fraction):
         """Tell the optimizer the training progress, a float in [0, 1] (step / total_steps);
@@ -399,10 +378,13 @@ class AdamW4bit(torch.optim.Optimizer):
 
     def m_rounding_for(self, param):
         """The first-moment rounding ("rtn"|"sr") that the next step uses for `param`."""
-        after = self.qcfg["lm_head_sr_after"]
-        if id(param) in self._lm_head and after is not None and self.progress >= after:
+        if id(param) in self._lm_head and self._lm_head_sr():
             return "sr"
         return self.qcfg["m_rounding"]
+
+    def _lm_head_sr(self):
+        after = self.qcfg["lm_head_sr_after"]
+        return after is not None and self.progress >= after
 
     # ---- state --------------------------------------------------------------------------------
     def _eligible(self, p):
@@ -426,33 +408,57 @@ class AdamW4bit(torch.optim.Optimizer):
                              "set quantize per group before the first step (or load a state dict)")
         return q
 
-    def _init_state(self, p, group=None):
-        return optim_state.init_state(self, p, group)
+    def _init_state(self, p, group=None):    # p's zero states at its first step
+        st = self.state[p]
+        st.update(optim_state.new_state(p, self.is_quantized(p, group), self.qcfg["block_size"],
+                                        self.capturable, self.qcfg["master_weight_bits"]))
+        return st
 
     def state_nbytes(self):
         """Persistent state bytes (this rank's for FSDP2): 1.0625 B/param quantized, 8 FP32, + 1
         with master_weight_bits=24 on BF16 ones; the step counters are not counted."""
-        return optim_state.state_nbytes(self)
+        return optim_state.state_nbytes(self.state.values())
 
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
-    def __getstate__(self):   # copy.deepcopy and pickle keep the configuration (optim_state.getstate)
-        return optim_state.getstate(self)
+    def __getstate__(self):
+        # copy.deepcopy and pickle: torch's entries, what the next steps depend on, the LM-head
+        # marks as parameter positions (a copy's parameters are other tensors); no caches
+        heads = [i for i, p in enumerate(self._params()) if id(p) in self._lm_head]
+        return dict(super().__getstate__(), qcfg=self.qcfg, impl=self.impl, capturable=self.capturable,
+                    seed=self.seed, progress=self.progress, _kernel_tabs=self._kernel_tabs,
+                    lm_head_positions=heads)
 
-    def __setstate__(self, state):
-        optim_state.setstate(self, state)
+    def __setstate__(self, state):   # also torch's load_state_dict, with its two entries only
+        state = dict(state)
+        heads = state.pop("lm_head_positions", [])
+        super().__setstate__(state)
+        self._new_caches()
+        params = self._params()
+        self._lm_head = {id(params[i]) for i in heads}
 
     def state_dict(self):
         """torch's state dict plus the quantizer configuration, seed, progress and LM-head marks;
         codes and scales per row where rows are whole blocks (FSDP2's layout, views)."""
-        return optim_state.state_dict(self)
+        params = self._params()
+        extra = dict(seed=self.seed, progress=self.progress,
+                     lm_head=[i for i, p in enumerate(params) if id(p) in self._lm_head])
+        return optim_state.with_config(super().state_dict(), params, self.qcfg, extra)
 
     def load_state_dict(self, state_dict):
         """Load a state_dict() of an AdamW4bit with the same configuration, codes and scales
         exactly, on each parameter's device; also set_optimizer_state_dict's {"state",
         "param_groups"} (DCP). ValueError for another configuration or optimizer."""
-        optim_state.load_state_dict(self, state_dict)
+        params = self._params()
+        state_dict, torch_part = optim_state.check_loadable(state_dict, self.qcfg, params,
+                                                            [self._eligible(p) for p in params])
+        self._plan.invalidate()
+        super().load_state_dict(torch_part)
+        optim_state.restore_states(state_dict, params, self.state, self.qcfg["master_weight_bits"])
+        extra = state_dict.get("adam4bit_extra", {})
+        self.seed, self.progress = int(extra.get("seed", self.seed)), float(extra.get("progress", self.progress))
+        self._lm_head |= {id(params[i]) for i in extra.get("lm_head", [])}
 
     # ---- step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -460,69 +466,71 @@ class AdamW4bit(torch.optim.Optimizer):
         """One AdamW step over all parameters with a gradient (update-before-storage): quantized
         tensors through the kernel (adamw4bit_step_triton, one launch per group of tensors sharing
         step, dtypes and m's rule) or the reference (adamw4bit_step_torch), FP32-state ones
-        through adamw_fp32.py. The step's plan is recorded and replayed (fused_step.py). Returns
-        the closure's loss (None without a closure)."""
+        through lowbit/optim/fp32.py. The step's plan is recorded and replayed (plan.StepPlan).
+        Returns the closure's loss (None without a closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        optim_args.check_changed_groups(self)
+        for gi, group in enumerate(self.param_groups):   # changed lr, betas, eps or wd: checked again
+            if self._checked.get(gi) != optim_args.hparams_key(group):
+                self._checked[gi] = optim_args.check_group(gi, group, self.capturable, lr_value=False)
         capturing = self.capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        plan = fused_step.replay_or_new_plan(self, capturing)
-        if plan is not None:      # nothing to replay: build the plan, running it as it is built
-            self._plan = None
-            if self._build_and_run(plan):
-                fused_step.finish_plan(self, plan)
+        params = self._params()
+        params, grads = self._shards.local_params(params, [p.grad for p in params])
+        record = self._plan.replay_or_record(self.param_groups, (id(self.state), self.impl, self._lm_head_sr()),
+                                             params, grads, self.seed, self.qcfg["param_rounding"], capturing)
+        if record is not None and self._build_and_run(record):   # nothing replayed: run and record
+            self._plan.keep(record)
+        self._shards.drop_grads()
         return loss
 
-    def _build_and_run(self, plan):
+    def _build_and_run(self, record):
         # Every parameter with a gradient: its state for this step, then its path (kernel or
         # reference, 4-bit or FP32 states). The reference 4-bit step runs at once; the rest runs
-        # per group (fused_step.run_group), recorded in `plan`. Returns whether a later step may
-        # replay the plan (not with reference 4-bit steps or gathered FSDP2 tensors).
+        # per group through StepPlan.run_group, which records it. Returns whether a later step may
+        # replay the record (not with reference 4-bit steps or gathered FSDP2 tensors).
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        cacheable, index, writeback = plan["key"] is not None, 0, []
+        cfg, index, writeback, cacheable = self.qcfg, 0, [], record["key"] is not None
         for gi, group in enumerate(self.param_groups):
-            hp = group_hparams(group)
-            fp32, quant, small = [], {}, {}
+            hp = hparams(group)
+            states, fp32, quant, small = [], [], {}, {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
                     continue
-                st = optim_state.step_state(self, p, group, index)
+                optim_state.check_grad(p, index)
+                st = self.state[p] if self.state[p] else self._init_state(p, group)
+                optim_state.fit_state(p, st, index, self.capturable, cfg["master_weight_bits"])
                 st["step"] += 1
-                plan["states"].append(st)
+                states.append(st)
                 t, sidx = int(st["step"]), index
                 quantized, m_rule = self.is_quantized(p, group), self.m_rounding_for(p)
-                if is_dtensor(p):   # FSDP2: step this rank's shard (or the gathered tensor)
-                    p, st, sidx, gathered = optim_state.local_step(self, p, st, quantized, index, writeback)
+                if optim_state.is_dtensor(p):   # FSDP2: step this rank's shard (or the gathered tensor)
+                    p, st, sidx, gathered = self._shards.step_view(p, st, quantized, index, cfg["block_size"],
+                                                                   writeback)
                     cacheable = cacheable and not gathered   # a gathered tensor is new each step
                     if p.numel() == 0:   # fewer rows than ranks: nothing here
                         continue
-                if not quantized and optim_args.use_adamw_kernel(self, p, interp):   # 16-bit params, FP32 states
+                if not quantized and optim_args.use_adamw_kernel(p, self.impl, interp):   # 16-bit, FP32 states
                     small.setdefault((t, p.dtype, p.grad.dtype, "param_correction" in st), []).append((p, st, sidx))
                 elif not quantized:
                     fp32.append((p, st, t, sidx))
-                elif self._use_triton(p, interp):
+                elif optim_args.use_triton(p, self.impl, interp, self._kernel_tabs):
                     quant.setdefault((t, p.dtype, p.grad.dtype, m_rule), []).append((p, st, sidx))
                 else:
                     cacheable = False
-                    adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule, sr_seed_of(self.seed, t, sidx),
+                    adamw4bit_step_torch(p, p.grad, st, *hp, t, cfg, m_rule, sr_seed_of(self.seed, t, sidx),
                                          span=shard_span(sidx))
-            rule = self.qcfg["param_rounding"]
-            launches = [(t, _triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache,
-                                            own_table=cacheable), items, _triton_launch)
+            launches = [(t, _triton_prepare(items, cfg, m_rule, self._kernel_tabs, self._kernel_cache,
+                                            own_table=cacheable), items)
                         for (t, _, _, m_rule), items in quant.items()]
-            launches += [(t, adamw_prepare(items, rule, self._kernel_cache, own_table=cacheable), items,
-                          _adamw_launch) for (t, *_), items in small.items()]
-            fused_step.run_group(self, plan, gi, group, hp, fp32, launches, FUSED_ADAMW_DEVICES)
+            launches += [(t, adamw_prepare(items, cfg["param_rounding"], self._kernel_cache, own_table=cacheable),
+                          items) for (t, *_), items in small.items()]
+            self._plan.run_group(record, gi, group, hp, states, fp32, launches, self.seed, cfg["param_rounding"])
         for args in writeback:
             optim_state.write_back(*args)
-        optim_state.drop_local_grads(self._local_views)
         return cacheable
-
-    def _use_triton(self, p, interp):
-        return optim_args.use_triton(self, p, interp)
 
 
 # ============================================================================================
@@ -637,21 +645,16 @@ def _load_tile(param, grad, corr, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq
     pair = rows[:, None] * (BLOCK_SIZE // 2) + tl.arange(0, BLOCK_SIZE // 2)[None, :]   # byte index
     rmask = rows < lim - first if MASK else None
     mask = rmask[:, None] if MASK else None
-    m_byte = _ld(exp_avg + first * (BLOCK_SIZE // 2) + pair, mask).to(tl.int32)
-    v_byte = _ld(exp_avg_sq + first * (BLOCK_SIZE // 2) + pair, mask).to(tl.int32)
-    b1s = (_ld(exp_avg_scale + first + rows, rmask) * b1)[:, None]
-    b2s = (_ld(exp_avg_sq_scale + first + rows, rmask) * b2)[:, None]
-    if ALIGNED:      # an element pair is one aligned 64-bit (FP32) or 32-bit (BF16/FP16) word
-        w0, w1 = _load_pair(param, first * (BLOCK_SIZE // 2) + pair, mask, P_KIND)
-        g0, g1 = _load_pair(grad, first * (BLOCK_SIZE // 2) + pair, mask, G_KIND)
-    else:
-        w0 = _ld(param + first * BLOCK_SIZE + 2 * pair, mask).to(tl.float32)
-        w1 = _ld(param + first * BLOCK_SIZE + 2 * pair + 1, mask).to(tl.float32)
-        g0 = _ld(grad + first * BLOCK_SIZE + 2 * pair, mask).to(tl.float32)
-        g1 = _ld(grad + first * BLOCK_SIZE + 2 * pair + 1, mask).to(tl.float32)
+    m_byte = tl_masked_load(exp_avg + first * (BLOCK_SIZE // 2) + pair, mask).to(tl.int32)
+    v_byte = tl_masked_load(exp_avg_sq + first * (BLOCK_SIZE // 2) + pair, mask).to(tl.int32)
+    b1s = (tl_masked_load(exp_avg_scale + first + rows, rmask) * b1)[:, None]
+    b2s = (tl_masked_load(exp_avg_sq_scale + first + rows, rmask) * b2)[:, None]
+    # ALIGNED: an element pair is one aligned 64-bit (FP32) or 32-bit (BF16/FP16) word
+    w0, w1 = tl_load_pairs(param + first * BLOCK_SIZE, pair, mask, P_KIND, ALIGNED)
+    g0, g1 = tl_load_pairs(grad + first * BLOCK_SIZE, pair, mask, G_KIND, ALIGNED)
     if P_CORR:       # eq. MW: w = x + e 2^(E-15)
-        w0 = tl_join_master(w0, _ld(corr + first * BLOCK_SIZE + 2 * pair, mask))
-        w1 = tl_join_master(w1, _ld(corr + first * BLOCK_SIZE + 2 * pair + 1, mask))
+        w0 = tl_join_master(w0, tl_masked_load(corr + first * BLOCK_SIZE + 2 * pair, mask))
+        w1 = tl_join_master(w1, tl_masked_load(corr + first * BLOCK_SIZE + 2 * pair + 1, mask))
     return m_byte, v_byte, b1s, b2s, w0, w1, g0, g1
 
 
@@ -687,23 +690,8 @@ def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1, up0
     r1 = tl.sqrt_rn(v1) * inv_sqrt_bc2 + eps
     w0 = w0 * decay - tl.div_rn(step_size * m0, r0)
     w1 = w1 * decay - tl.div_rn(step_size * m1, r1)
-    if P_KIND == 0:
-        if ALIGNED:
-            tl.store(param.to(tl.pointer_type(tl.int64), bitcast=True) + first * (BLOCK_SIZE // 2)
-                     + pair, join_bits(w0, w1), mask=mask)
-        else:
-            tl.store(param + first * BLOCK_SIZE + 2 * pair, w0, mask=mask)
-            tl.store(param + first * BLOCK_SIZE + 2 * pair + 1, w1, mask=mask)
-    else:            # write_param: the 16-bit patterns h0, h1 (low halves of int32)
-        h0 = param_bits16(w0, up0, corr + first * BLOCK_SIZE + 2 * pair, mask, P_KIND, P_SR, P_CORR)
-        h1 = param_bits16(w1, up1, corr + first * BLOCK_SIZE + 2 * pair + 1, mask, P_KIND, P_SR, P_CORR)
-        if ALIGNED:
-            tl.store(param.to(tl.pointer_type(tl.int32), bitcast=True) + first * (BLOCK_SIZE // 2)
-                     + pair, h0 | (h1 << 16), mask=mask)
-        else:
-            p16 = param.to(tl.pointer_type(tl.int16), bitcast=True) + first * BLOCK_SIZE + 2 * pair
-            tl.store(p16, h0.to(tl.int16), mask=mask)
-            tl.store(p16 + 1, h1.to(tl.int16), mask=mask)
+    tl_store_pairs(param + first * BLOCK_SIZE, corr + first * BLOCK_SIZE, pair, w0, w1, up0, up1, mask,
+                   P_KIND, P_SR, P_CORR, ALIGNED)            # write_param
 
     # eq. D3 + A.2: store both moments, s = max(absmax, 1e-12), y = x (1/s). A NaN in the block
     # makes s NaN, as in the reference (tl.maximum would otherwise drop it and leave y huge), so
@@ -732,23 +720,6 @@ def _step_tile(m_byte, v_byte, b1s, b2s, w0, w1, g0, g1, um0, um1, uv0, uv1, up0
 
 
 @triton.jit
-def _load_pair(ptr, pair, mask, KIND: tl.constexpr):
-    # elements 2 pair, 2 pair + 1 as float32 from one aligned word (little-endian: the even
-    # element in the low half); BF16 and FP16 -> FP32 are exact
-    if KIND == 0:
-        lo, hi = unpair(_ld(ptr.to(tl.pointer_type(tl.int64), bitcast=True) + pair, mask))
-    else:
-        word = _ld(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pair, mask)
-        if KIND == 1:
-            lo = (word << 16).to(tl.float32, bitcast=True)
-            hi = (word & -65536).to(tl.float32, bitcast=True)
-        else:
-            lo = word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            hi = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
 def _quantize(y, lut, hn, adjacent, u, rx, r_scale, eps, SR: tl.constexpr, UPDATE: tl.constexpr):
     # eq. A.2: round_to_levels(y, T, ...) with the same float32 operations. bucket_lut (2 hn
     # buckets) gives the count of boundaries <= y: the code itself for State-RTN, else the lower
@@ -770,10 +741,7 @@ def _quantize(y, lut, hn, adjacent, u, rx, r_scale, eps, SR: tl.constexpr, UPDAT
     else:
         num = b - y
         den = b - a
-    if SR:
-        take_a = u * den < num
-    else:
-        take_a = 2 * num > den
+    take_a = u * den < num if SR else 2 * num > den
     return tl.where(take_a, k, k + 1)
 
 
@@ -785,16 +753,6 @@ def _absmax(x0, x1):
     return tl.max(m, axis=1).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _ld(ptr, mask):
-    # tl.load, masked (zeros outside) only when a mask is given
-    if mask is None:
-        x = tl.load(ptr)
-    else:
-        x = tl.load(ptr, mask=mask, other=0)
-    return x
-
-
 # ---- the wrapper -----------------------------------------------------------------------------
 
 def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_of_step, tables, cache,
@@ -803,84 +761,37 @@ def adamw4bit_step_triton(items, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed_o
     2.1a-b, Def. 3 / App. A.2 storage, EDEN eq. 3.2), bit for bit given the same SR uniforms.
 
     items:  (param, state, index) triples of one device, parameter dtype, gradient dtype and
-            step t: param a contiguous float32/bfloat16/float16 tensor with a contiguous grad of
-            one of these dtypes, numel a multiple of cfg["block_size"]; state as in
-            adamw4bit_step_torch (written in place, with its param_correction if any); index the
-            parameter's position from 1 (its SR seed is sr_seed_of(seed, t, index)) or a ShardIndex.
-    lr, b1, b2, eps, wd, t, cfg, m_rounding: as in adamw4bit_step_torch.
-    seed_of_step: step_seed(seed, t), the step's term of every tensor's SR seed.
-    tables: build_kernel_tables(cfg) (CPU); cache: a dict kept per optimizer, filled here with the
-            tables on each device and the program and launch tables of each set of tensors.
-    u:      optional list of (u_m, u_v, u_p) float32 uniform tensors per item, replacing the
-            kernel's Philox bits (tests).
+            step t: contiguous float32/bfloat16/float16 param and grad, numel a multiple of
+            cfg["block_size"]; state as in adamw4bit_step_torch (written in place); index the
+            parameter's position from 1 (SR seed sr_seed_of(seed, t, index)) or a ShardIndex.
+    lr, b1, b2, eps, wd, t, cfg, m_rounding: as in adamw4bit_step_torch; seed_of_step:
+            step_seed(seed, t). tables: build_kernel_tables(...) (CPU); cache: a dict kept per
+            optimizer (the tables on each device, the program and launch tables).
+    u:      optional list of (u_m, u_v, u_p) float32 uniforms per item, replacing Philox (tests).
     """
-    _triton_launch(_triton_prepare(items, cfg, m_rounding, tables, cache, u), lr, b1, b2, eps, wd, t,
-                   seed_of_step)
+    _triton_prepare(items, cfg, m_rounding, tables, cache, u).run(lr, b1, b2, eps, wd, t, seed_of_step)
 
 
 def _triton_prepare(items, cfg, m_rounding, tables, cache, u=None, own_table=False):
-    """Everything of adamw4bit_step_triton's launch that does not change between steps: the
-    grid's program table, the launch table, the lookup tables and the compile-time flags (a
-    dict for _triton_launch). own_table: a launch table of its own, not shared with the cache
-    (the step's cached plan rewrites its gradient column in place, triton_regrad)."""
-    B = cfg["block_size"]
-    dev = items[0][0].device
-    dev_tables = cache.setdefault("tables", {})
-    tabs = dev_tables.get(dev)
-    if tabs is None:
-        tabs = dev_tables[dev] = {k: x.to(dev) for k, x in tables.items()}
+    """Everything of adamw4bit_step_triton's launch that does not change between steps, a
+    launch.Launch (launch.prepare: the grid's program table and the launch table, cached in
+    `cache`, own_table as there): the lookup tables on the tensors' device and the compile-time
+    flags."""
+    B, p0 = cfg["block_size"], items[0][0]
+    tabs = on_device(tables, p0.device, cache)
     nb = max(1, KERNEL_ELEMS // B)                 # scale blocks per tile
-    numels = tuple(p.numel() for p, _, _ in items)
-    ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), *(st[k].data_ptr() for k in (
-        "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel(), shard_offset(i),
-        st["param_correction"].data_ptr() if "param_correction" in st else 0)
-        for p, st, i in items)
-    if u is not None:
-        ptrs = tuple(r + tuple(x.data_ptr() for x in us) for r, us in zip(ptrs, u))
-    progs, tab, extra = cached_tables(     # the rows' first programs depend on B, nb, KERNEL_TILES too
-        cache, dev, (dev, B, KERNEL_TILES, numels), [n // B for n in numels], nb * KERNEL_TILES,
-        (B, nb, KERNEL_TILES, ptrs), ptrs, B, own_table)
-    # reading an element pair as one word needs p and grad 8- (FP32) or 4-byte (BF16, FP16)
-    # aligned: true for whole tensors, maybe not for views into a flat buffer; otherwise the
-    # launch reads element by element
-    p0 = items[0][0]
-    p_align, g_align = 2 * p0.element_size(), 2 * p0.grad.element_size()
-    p_aligned = all(r[0] % p_align == 0 for r in ptrs)
+    offsets = [shard_offset(i) for _, _, i in items]
     bf16 = p0.dtype == torch.bfloat16
     p_corr = bf16 and "param_correction" in items[0][1]
     v_coord, v_rule = cfg["v_rounding"].split("-")
-    if KERNEL_MAXNREG and extra:
-        extra["maxnreg"] = KERNEL_MAXNREG["sr" in (m_rounding, v_rule) or bool(cfg["eden"])
-                                          or cfg.get("param_rounding") == "sr"]
+    sr = "sr" in (m_rounding, v_rule) or bool(cfg["eden"]) or cfg.get("param_rounding") == "sr"
     m_lut, v_lut = tabs[f"m_lut_{m_rounding}"], tabs["v_lut"]
-    return dict(
-        dev=None, grid=(progs[0].numel(),), progs=progs[0], tab=tab, tabs=tabs, m_lut=m_lut, v_lut=v_lut,
-        grads=tuple(r[1] for r in ptrs), g_align=g_align, p_aligned=p_aligned,
-        flags=dict(M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update",
-                   EDEN=bool(cfg["eden"]), HAS_U=u is not None,
-                   SHARDED=any(r[8] for r in ptrs), PAIRED=all(r[8] // B % (2 * nb) == 0 for r in ptrs),
-                   P_KIND=DTYPE_KIND[p0.dtype], G_KIND=DTYPE_KIND[p0.grad.dtype],
-                   P_SR=bf16 and not p_corr and cfg.get("param_rounding", "rtn") == "sr", P_CORR=p_corr,
-                   ALIGNED=p_aligned and all(r[1] % g_align == 0 for r in ptrs),
-                   BLOCK_SIZE=B, NB=nb, TILES=KERNEL_TILES, num_warps=1, **extra))
-
-
-def _triton_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
-    """Launch adamw4bit_kernel for a _triton_prepare plan with step t's scalars."""
-    (seed_of_step, decay, step_size, inv_sqrt_bc2), dev = launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step)
-    tabs, m_lut, v_lut = launch["tabs"], launch["m_lut"], launch["v_lut"]
-    adamw4bit_kernel[launch["grid"]](
-        launch["progs"], launch["tab"],
-        tabs["m_decode"], tabs["v_decode"], tabs["v_codebook"], m_lut, v_lut,
-        (m_lut.numel() - 1) / 2, (v_lut.numel() - 1) / 2, tabs["m_adjacent"], tabs["v_adjacent"],
-        seed_of_step, decay, step_size, b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2, eps, *dev,
-        **launch["flags"])
-
-
-# ============================================================================================
-
-
-def _adamw_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step):
-    """adamw_fp32._adamw_launch with this module's adamw_fp32_kernel, looked up at each call (so a
-    profiler or a host-time benchmark can replace both kernels here, e.g. bench.bench_host)."""
-    _adamw_launch_with(launch, lr, b1, b2, eps, wd, t, seed_of_step, adamw_fp32_kernel)
+    return prepare(adamw4bit_kernel, items, cache, B, nb * KERNEL_TILES, (
+        tabs["m_decode"], tabs["v_decode"], tabs["v_codebook"], m_lut, v_lut, (m_lut.numel() - 1) / 2,
+        (v_lut.numel() - 1) / 2, tabs["m_adjacent"], tabs["v_adjacent"]), dict(
+        M_SR=m_rounding == "sr", V_SR=v_rule == "sr", V_UPDATE=v_coord == "update", EDEN=bool(cfg["eden"]),
+        HAS_U=u is not None, SHARDED=any(offsets), PAIRED=all(o // B % (2 * nb) == 0 for o in offsets),
+        P_KIND=DTYPE_KIND[p0.dtype], G_KIND=DTYPE_KIND[p0.grad.dtype],
+        P_SR=bf16 and not p_corr and cfg.get("param_rounding", "rtn") == "sr", P_CORR=p_corr, ALIGNED=True,
+        BLOCK_SIZE=B, NB=nb, TILES=KERNEL_TILES, num_warps=1), u, own_table,
+        KERNEL_MAXNREG[sr] if KERNEL_MAXNREG else None)

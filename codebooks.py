@@ -85,8 +85,3 @@ def get_codebook(codebook):
         raise ValueError(f"codebook levels must be strictly ascending within [-1, 1], got {t.tolist()}")
     return t
 
-
-def midpoints(levels):
-    """Float midpoints (a + b) / 2 of adjacent levels, (K - 1,) for levels (K,): the boundaries
-    of round-to-nearest in state space (paper B, App. A.2), for the reference and the kernel."""
-    return (levels[:-1] + levels[1:]) / 2

@@ -10,6 +10,7 @@ import torch
 
 import adam4bit as A
 import gaussws as g
+from lowbit.optim import fp32 as F
 from lowbit.pqt.tiles import tile_grid
 
 from benchmarks.util import copy_bandwidth, host_ms, median_ms, power_during
@@ -144,19 +145,20 @@ def bench_optim(quick=False):
 def bench_host(rep=200):
     """The step's Python work per call on CPU, no GPU needed (a proxy for "host ms" above): AdamW4bit
     on GPT-2-124M shapes with TRITON_INTERPRET=1 and impl="triton" takes the kernel path for CPU
-    tensors; the kernel launches and torch's fused AdamW are replaced by no-ops, and the FP32-state
-    tensors take the CUDA branch of _adamw_fp32_steps (FP32 parameters: one fused call; 16-bit
-    ones: one adamw_fp32_kernel launch), so what is timed is the bookkeeping that the GPU step's host
-    time is made of besides the launches."""
+    tensors; the kernel launches and torch's fused AdamW are replaced by no-ops where they are
+    defined (adam4bit.adamw4bit_kernel, lowbit.optim.fp32.adamw_fp32_kernel), and the FP32-state
+    tensors take the CUDA branch (lowbit.optim.fp32.FUSED_ADAMW_DEVICES; FP32 parameters: one fused
+    call; 16-bit ones: one adamw_fp32_kernel launch), so what is timed is the bookkeeping that the
+    GPU step's host time is made of besides the launches."""
     os.environ["TRITON_INTERPRET"] = "1"
-    kernels, fused, devices = (A.adamw4bit_kernel, A.adamw_fp32_kernel), torch._fused_adamw_, A.FUSED_ADAMW_DEVICES
+    kernels, fused, devices = (A.adamw4bit_kernel, F.adamw_fp32_kernel), torch._fused_adamw_, F.FUSED_ADAMW_DEVICES
 
     class NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **kw: None
 
-    A.adamw4bit_kernel, A.adamw_fp32_kernel, torch._fused_adamw_ = NoLaunch(), NoLaunch(), lambda *args, **kw: None
-    A.FUSED_ADAMW_DEVICES = devices + ("cpu",)
+    A.adamw4bit_kernel, F.adamw_fp32_kernel, torch._fused_adamw_ = NoLaunch(), NoLaunch(), lambda *args, **kw: None
+    F.FUSED_ADAMW_DEVICES = devices + ("cpu",)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)     # the small tensors' CPU arithmetic without thread-pool wake-ups
     hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, preset="zipsr", impl="triton")
@@ -181,7 +183,7 @@ def bench_host(rep=200):
             rows.append(dict(case=case, host_ms=statistics.median(times)))
             print(f"{case:28s} {rows[-1]['host_ms']:8.3f} ms per step() (median of {rep}, CPU proxy)")
     finally:
-        (A.adamw4bit_kernel, A.adamw_fp32_kernel), torch._fused_adamw_, A.FUSED_ADAMW_DEVICES = kernels, fused, devices
+        (A.adamw4bit_kernel, F.adamw_fp32_kernel), torch._fused_adamw_, F.FUSED_ADAMW_DEVICES = kernels, fused, devices
         torch.set_num_threads(threads)
     return dict(rows=rows)
 

@@ -1,7 +1,8 @@
 """
 Float32 arithmetic shared by the torch references and the Triton kernels of both papers: the
 float32 value of a Python number, the correctly rounded square root, the AdamW denominator of
-eq. 3.1 (paper B), and round-to-nearest-even of float32 to bfloat16 on bit patterns, written once
+eq. 3.1 (paper B), the midpoints of a codebook's levels (paper B's round-to-nearest boundaries),
+and round-to-nearest-even of float32 to bfloat16 on bit patterns, written once
 for torch (`bf16_rne_bits`) and once for Triton (`tl_bf16_rne_bits`). Pure functions: no state,
 no device, no import from the rest of the repository.
 
@@ -36,6 +37,12 @@ def adam_denominator(v, bias_correction2, eps, sqrt_v=None):
     # coordinate share this one expression, so the kernel computes r_t(v~) once for all.
     sqrt_v = sqrt_rn(v) if sqrt_v is None else sqrt_v
     return sqrt_v * f32(1 / math.sqrt(bias_correction2)) + eps
+
+
+def midpoints(levels):
+    """Float midpoints (a + b) / 2 of adjacent levels, (K - 1,) for levels (K,): the boundaries
+    of round-to-nearest in state space (paper B, App. A.2), for the reference and the kernel."""
+    return (levels[:-1] + levels[1:]) / 2
 
 
 # BF16 round-to-nearest-even of float32 bit patterns (int32): add 0x7FFF plus the lowest kept bit

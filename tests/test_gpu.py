@@ -169,7 +169,7 @@ def test_gpu_capturable_step_as_cuda_graph():
                     assert torch.equal(a, b) and torch.equal(a, c), (dtype, i, tuple(a.shape))
                 else:
                     assert torch.allclose(a, b, rtol=1e-6, atol=1e-9) and torch.allclose(a, c, rtol=1e-6, atol=1e-9)
-        assert opts[1]._plan["graph"] is not None
+        assert opts[1]._plan.recorded["graph"] is not None
         assert float(opts[2].state[ps[2][0]]["step"]) == 6
 
 

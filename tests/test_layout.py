@@ -9,8 +9,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 from tests.helpers import ROOT
 
 TOP_FILES = {"codebooks.py", "gaussws.py", "adam4bit.py", "model.py", "data.py", "train.py", "bench.py", "test_all.py",
@@ -75,8 +73,6 @@ def test_the_top_level_holds_the_designs_files_only():
         assert os.path.isdir(os.path.join(ROOT, pkg)), pkg
 
 
-@pytest.mark.xfail(strict=True, reason="being removed in parallel: lowbit/optim (lut.py, args.py) imports codebooks, "
-                                       "lowbit/pqt imported gaussws")
 def test_lowbit_imports_nothing_above_it():
     """The engine under both papers' files imports none of the top-level files, nor trainer/,
     benchmarks/, experiments/ or examples/, anywhere in a file: what it needs from above is handed

@@ -17,8 +17,11 @@ import triton.language as tl
 
 import adam4bit as A
 import gaussws as g
-from codebooks import CODEBOOKS, get_codebook, midpoints
+from codebooks import CODEBOOKS, get_codebook
+from lowbit.numerics import midpoints
+from lowbit.optim import fp32 as optim_fp32
 from lowbit.optim import sr_bits
+from lowbit.optim.args import use_triton
 from lowbit.optim.launch import capturable_bias_table
 from lowbit.optim.lut import LUT_BUCKETS, bucket_lut
 from lowbit.optim.metrics import nonzero_to_zero_fraction, radial_bias, relative_rms_error, update_relative_error
@@ -662,7 +665,7 @@ def test_kernel_codebook_too_dense_for_its_tables():
     o = A.AdamW4bit([p], impl="auto", preset="zipsr", m_codebook=dense)     # -> reference
     p.grad = torch.randn(4096)
     o.step()
-    assert not o._use_triton(p, interp=True)
+    assert not use_triton(p, o.impl, True, o._kernel_tabs)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast")   # the interpreter's NaN -> int
@@ -920,7 +923,7 @@ def test_step_plan_is_rebuilt_on_every_change_and_matches_an_uncached_step(monke
     # X keeps its plan; Y drops it before each step (every step then takes the full path, as a
     # fresh optimizer's first step does). The FP32-state tensors take the fused-AdamW branch
     # (torch's fused AdamW runs on CPU too), whose flat BF16 copy the plan keeps views of.
-    monkeypatch.setattr(A, "FUSED_ADAMW_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(optim_fp32, "FUSED_ADAMW_DEVICES", ("cuda", "cpu"))
     gen = torch.Generator().manual_seed(0)
     shapes = [(32, 128), (4096,), (96,), (8, 8)]
     init = [torch.randn(s, generator=gen) for s in shapes]
@@ -931,15 +934,15 @@ def test_step_plan_is_rebuilt_on_every_change_and_matches_an_uncached_step(monke
     keep = []     # old gradients stay alive, so new ones get other addresses
 
     def step(none=(), replay=False):
-        plan = ox._plan
+        plan = ox._plan.recorded
         for j, (x, y) in enumerate(zip(ox._params(), oy._params())):
             g = torch.randn(x.shape, generator=gen).to(x.dtype)
             keep.append(x.grad)
             x.grad, y.grad = (None, None) if j in none else (g.clone(), g.clone())
         ox.step()
-        oy._plan = None
+        oy._plan.recorded = None
         oy.step()
-        assert (ox._plan is plan) == replay and ox._plan is not None
+        assert (ox._plan.recorded is plan) == replay and ox._plan.recorded is not None
         for x, y in zip(ox._params(), oy._params()):
             assert torch.equal(x, y)
             sx, sy = ox.state[x], oy.state[y]
@@ -947,15 +950,15 @@ def test_step_plan_is_rebuilt_on_every_change_and_matches_an_uncached_step(monke
             assert all(torch.equal(sx[k], sy[k]) for k in sx if k != "step")
 
     def replayed_with_same_grads():
-        plan = ox._plan
+        plan = ox._plan.recorded
         for x, y in zip(ox._params(), oy._params()):   # same addresses: only the steps move
             if x.grad is not None:
                 x.grad.normal_(generator=gen)
                 y.grad.copy_(x.grad)
         ox.step()
-        oy._plan = None
+        oy._plan.recorded = None
         oy.step()
-        assert ox._plan is plan      # replayed, not rebuilt
+        assert ox._plan.recorded is plan      # replayed, not rebuilt
         for x, y in zip(ox._params(), oy._params()):
             assert torch.equal(x, y)
 
@@ -1052,10 +1055,10 @@ def test_state_follows_parameter_casts_and_gradient_dtypes(monkeypatch):
     for _ in range(2):
         p.grad = torch.randn(64, 64, generator=gen).bfloat16()
         o.step()
-    plan = o._plan
+    plan = o._plan.recorded
     p.grad = torch.randn(64, 64, generator=gen)   # FP32 now, maybe at the old gradient's address
     o.step()
-    assert o._plan is not plan and torch.isfinite(p).all()
+    assert o._plan.recorded is not plan and torch.isfinite(p).all()
     for impl in ("torch", "triton"):
         q = torch.nn.Parameter(torch.randn(64, 64, generator=gen).bfloat16())
         o = A.AdamW4bit([q], impl=impl, preset="torchao", master_weight_bits=24, lr=1e-2)
@@ -1182,17 +1185,17 @@ def _fsdp_replay(rank, world, tmp):
         held, ptrs = None, []
         for s in range(3):
             if not replay:
-                opt._plan_version += 1
+                opt._plan.invalidate()
             g = torch.Generator().manual_seed(1000 + s)
             model([torch.randn(x.shape, generator=g) for x in model.ps]).backward()
             ptrs.append([p.grad.to_local().data_ptr() for p in model.parameters()])
             opt.step()
             held = [p.grad for p in model.parameters()]
             opt.zero_grad()
-        res[replay] = dict(params=full_params(model), replays=opt._plan["k"] if opt._plan else None, ptrs=ptrs,
+        res[replay] = dict(params=full_params(model), replays=opt._plan.recorded["k"] if opt._plan.recorded else None, ptrs=ptrs,
                            states=[{k: v.to_local().clone() for k, v in opt.state[p].items() if k != "step"}
                                    for p in model.parameters()],
-                           grads_left=[lp.grad for _, lp in opt._local_views.values()])
+                           grads_left=[lp.grad for _, lp in opt._shards.views.values()])
     del held
     return res
 
@@ -1270,7 +1273,7 @@ def _sr_run(impl, shard):
     opt.set_progress(0.95)
     quadratic_steps(model, opt, 0, 2)
     full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1)   # noqa: E731
-    return dict(params=full_params(model), offsets=[opt._shard_layouts.get(id(p), (0, 0))[1] for p in model.parameters()],
+    return dict(params=full_params(model), offsets=[opt._shards.layouts.get(id(p), (0, 0))[1] for p in model.parameters()],
                 states=[{k: full(v) for k, v in opt.state[p].items() if k != "step"} for p in model.parameters()])
 
 

@@ -3,13 +3,13 @@ AdamW4bit's argument checks: the constructor's arguments, the quantizer configur
 of paper B Table 2 with its overrides), each param group's hyperparameters (when added, and again
 whenever they change, so a bad value is a clear error before the step rather than a NaN weight
 inside it) and their parameters' dtypes, and which path (kernel or reference) a tensor can take.
-Raises only; changes nothing but opt._checked.
+Raises only, and changes nothing: the codebooks come as an argument (get_codebook, from
+codebooks.py), the optimizer keeps what a check returns.
 """
 import math
 
 import torch
 
-from codebooks import get_codebook
 from lowbit.optim.launch import BIAS_ROWS_MAX, KERNEL_DTYPES
 from lowbit.optim.param_write import MASTER_WEIGHT_BITS, PARAM_ROUNDINGS
 
@@ -42,6 +42,15 @@ def check_quant_args(x, block_size, rule, coord, T, bias_correction2=1.0):
                          f"got min level {T[0].item()}")
 
 
+def check_dequant_args(packed, scales, block_size):
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed).__name__)}")
+    check_block_size(block_size)
+    if packed.numel() * 2 != scales.numel() * block_size:
+        raise ValueError(f"packed ({packed.numel()} bytes) and scales ({scales.numel()}) do not "
+                         f"describe the same tensor with block_size={block_size}")
+
+
 def check_init_args(presets, lr, betas, eps, weight_decay, preset, block_size, impl, seed, param_rounding,
                     master_weight_bits, capturable):
     """AdamW4bit.__init__'s checks of its arguments (presets: its PRESETS)."""
@@ -64,13 +73,6 @@ def check_init_args(presets, lr, betas, eps, weight_decay, preset, block_size, i
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise TypeError(f"seed must be a nonnegative int, got {seed!r}")
-
-
-def group_hparams(group):
-    # (lr, b1, b2, eps, wd) of a param group for this step; lr may be a 0-d tensor (schedulers)
-    lr = group["lr"]
-    return (float(lr.item()) if torch.is_tensor(lr) else float(lr), *group["betas"], group["eps"],
-            group["weight_decay"])
 
 
 def _check_hparams(h, where):
@@ -99,7 +101,7 @@ def _lr_on_device(lr):
     return torch.is_tensor(lr) and lr.device.type != "cpu" and lr.numel() == 1
 
 
-def _hparams_key(group):
+def hparams_key(group):
     """What `_check_hparams` and `_check_math_keys` look at in a group, comparable without waiting
     for the device: a CPU lr tensor by its value (also changed in place), a device one by its identity."""
     lr, betas = group["lr"], group["betas"]
@@ -128,10 +130,11 @@ def _check_math_keys(group, where):
                          + f"; remove the key or set it to {ours}")
 
 
-def quantizer_config(presets, preset, block_size, m_codebook, m_rounding, v_codebook, v_rounding, eden,
-                      lm_head_sr_after):
+def quantizer_config(presets, get_codebook, preset, block_size, m_codebook, m_rounding, v_codebook,
+                     v_rounding, eden, lm_head_sr_after):
     """The preset's components with the given overrides (None keeps the preset's; for
-    lm_head_sr_after the marker "preset" does), checked: AdamW4bit.qcfg."""
+    lm_head_sr_after the marker "preset" does), checked: AdamW4bit.qcfg. get_codebook: a
+    codebook's levels from its name or tensor (ValueError/TypeError for a bad one)."""
     if eden is not None and not isinstance(eden, bool):
         raise TypeError(f"eden must be True, False or None (the preset's), got {eden!r}")
     cfg = dict(presets[preset])
@@ -167,21 +170,22 @@ def quantizer_config(presets, preset, block_size, m_codebook, m_rounding, v_code
     return cfg
 
 
-def check_new_group(opt, group):
-    """add_param_group's checks of the group just appended."""
-    check_group(opt, len(opt.param_groups) - 1, group)
+def check_new_group(gi, group, capturable, param_rounding, master_weight_bits):
+    """add_param_group's checks of group gi, just appended: check_group's, its quantize flag and
+    its parameters' dtypes. Returns hparams_key(group)."""
+    key = check_group(gi, group, capturable)
     if not isinstance(group["quantize"], bool):
-        raise TypeError(f"param group {len(opt.param_groups) - 1}: quantize must be True (4-bit "
+        raise TypeError(f"param group {gi}: quantize must be True (4-bit "
                         f"states where eligible) or False (FP32 states), got {group['quantize']!r}")
     for p in group["params"]:
         if p.dtype not in KERNEL_DTYPES:
             raise TypeError(f"AdamW4bit needs float32, bfloat16 or float16 parameters, got {p.dtype} "
                             f"of shape {tuple(p.shape)}")
-        if p.dtype == torch.float16 and (opt.qcfg["param_rounding"] == "sr"
-                                         or opt.qcfg["master_weight_bits"]):
-            what = "param_rounding='sr'" if opt.qcfg["param_rounding"] == "sr" else "master_weight_bits=24"
+        if p.dtype == torch.float16 and (param_rounding == "sr" or master_weight_bits):
+            what = "param_rounding='sr'" if param_rounding == "sr" else "master_weight_bits=24"
             raise TypeError(f"{what} is for bfloat16 parameters (float16 ones are written round-to-"
                             f"nearest); got float16 of shape {tuple(p.shape)}")
+    return key
 
 
 def check_progress(fraction):
@@ -195,51 +199,42 @@ def check_progress(fraction):
     return value
 
 
-def check_group(opt, gi, group, lr_value=True):
+def check_group(gi, group, capturable, lr_value=True):
     """The hyperparameter checks of group gi (`_check_hparams`; with capturable=True, betas whose
-    bias corrections reach 1 within the table's rows). lr_value=False skips the value of a
-    one-element lr tensor on the GPU (reading it waits for the GPU); its shape and a CPU
-    tensor's value are checked."""
+    bias corrections reach 1 within the table's rows); returns hparams_key(group), what they
+    looked at. lr_value=False skips the value of a one-element lr tensor on the GPU (reading it
+    waits for the GPU); its shape and a CPU tensor's value are checked."""
     where = f"param group {gi}: "
     _check_hparams(dict(group, lr=0.0) if not lr_value and _lr_on_device(group["lr"]) else group, where)
     _check_math_keys(group, where)
-    if opt.capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= BIAS_ROWS_MAX
-                               for b in group["betas"]):
+    if capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= BIAS_ROWS_MAX
+                          for b in group["betas"]):
         raise ValueError(f"{where}capturable=True needs betas whose bias corrections reach 1 within "
                          f"{BIAS_ROWS_MAX} steps (beta < ~0.99999), got {tuple(group['betas'])}; use "
                          "capturable=False")
-    opt._checked[gi] = _hparams_key(group)
+    return hparams_key(group)
 
 
-def check_changed_groups(opt):
-    """Checks again each group whose lr, betas, eps or weight_decay changed since its last check
-    (a scheduler, user code, load_state_dict): a bad value is a clear error before the step, not
-    a NaN weight or a math error inside it. One tuple comparison per group and step."""
-    for gi, group in enumerate(opt.param_groups):
-        if opt._checked.get(gi) != _hparams_key(group):
-            check_group(opt, gi, group, lr_value=False)
-
-
-def use_adamw_kernel(opt, p, interp):
+def use_adamw_kernel(p, impl, interp):
     # adamw_step_triton for an FP32-state tensor: 16-bit parameters (FP32 ones take torch's
     # fused AdamW), contiguous, on CUDA (or CPU with TRITON_INTERPRET=1 and impl="triton")
     return p.dtype in (torch.bfloat16, torch.float16) and p.grad.dtype in KERNEL_DTYPES and \
-        p.is_contiguous() and p.grad.is_contiguous() and opt.impl != "torch" and \
-        (p.is_cuda or (interp and opt.impl == "triton"))
+        p.is_contiguous() and p.grad.is_contiguous() and impl != "torch" and \
+        (p.is_cuda or (interp and impl == "triton"))
 
 
-def use_triton(opt, p, interp):
-    # the 4-bit kernel for quantized p (impl, device, dtypes, contiguity); impl='triton' where it
-    # cannot run is a ValueError saying why
-    if opt._kernel_tabs is None:
+def use_triton(p, impl, interp, tables):
+    # the 4-bit kernel for quantized p (impl, kernel tables, device, dtypes, contiguity);
+    # impl='triton' where it cannot run is a ValueError saying why
+    if tables is None:
         return False
     ok = (p.is_cuda or interp) and p.dtype in KERNEL_DTYPES and p.is_contiguous() and \
         p.grad.dtype in KERNEL_DTYPES and p.grad.is_contiguous()
-    if opt.impl == "triton" and not ok:
+    if impl == "triton" and not ok:
         raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), "
                          "contiguous float32/bfloat16/float16 parameters and gradients; got a "
                          f"{'' if p.is_contiguous() else 'non-contiguous '}{p.device} {p.dtype} "
                          f"parameter of shape {tuple(p.shape)} with a "
                          f"{'' if p.grad.is_contiguous() else 'non-contiguous '}{p.grad.dtype} gradient "
                          "(use .contiguous() parameters or impl='auto')")
-    return ok and (p.is_cuda or opt.impl == "triton")
+    return ok and (p.is_cuda or impl == "triton")

@@ -10,11 +10,13 @@ import triton
 import triton.language as tl
 
 from lowbit.optim.launch import (DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SQ, TAB_FIRST_PROGRAM,
-                           TAB_GRAD, TAB_N_BLOCKS, TAB_OFFSET, TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_P,
-                           TAB_WIDTH, cached_tables, device_scalars, launch_scalars)
+                                 TAB_GRAD, TAB_N_BLOCKS, TAB_OFFSET, TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_P,
+                                 TAB_WIDTH, device_scalars, prepare)
 from lowbit.numerics import adam_denominator
 from lowbit.optim.param_write import tl_join_master, param_bits16, write_step, read_param
 from lowbit.optim.sr_bits import sr_seed_of, tl_sr_seed, sr_uniform, shard_offset, shard_span
+
+FUSED_ADAMW_DEVICES = ("cuda",)   # where FP32-state FP32 parameters take torch's fused AdamW
 
 
 def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", seed=0, u_p=None, span=None):
@@ -47,11 +49,11 @@ def adamw_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, rule="rtn", see
     write_step(param, w, corr, rule, u_p, gen, span)
 
 
-def split_fp32(items, fused_devices):
+def split_fp32(items):
     """The FP32-state items (param, state, t, seed index) of one group, split once for the step
     and its recorded plan: ({t: [(param, state)]} for torch's fused AdamW, FP32 parameters on a
-    device in fused_devices, one call per step value; [items] for adamw_step_torch)."""
-    fused, by_t, loop = items and items[0][0].device.type in fused_devices, {}, []
+    device in FUSED_ADAMW_DEVICES, one call per step value; [items] for adamw_step_torch)."""
+    fused, by_t, loop = items and items[0][0].device.type in FUSED_ADAMW_DEVICES, {}, []
     for p, st, t, i in items:
         if fused and p.dtype == torch.float32:
             by_t.setdefault(t, []).append((p, st))
@@ -159,32 +161,16 @@ def adamw_step_triton(items, lr, b1, b2, eps, wd, t, rule, seed_of_step, cache, 
     u:      optional list of float32 uniform tensors u_p per item (the SR write's), replacing the
             kernel's Philox bits (tests).
     """
-    adamw_fp32_launch(adamw_prepare(items, rule, cache, u), lr, b1, b2, eps, wd, t, seed_of_step)
+    adamw_prepare(items, rule, cache, u).run(lr, b1, b2, eps, wd, t, seed_of_step)
 
 
 def adamw_prepare(items, rule, cache, u=None, own_table=False):
-    """Everything of adamw_step_triton's launch that does not change between steps (a dict for
-    adamw_fp32_launch; own_table: as in _triton_prepare)."""
-    dev = items[0][0].device
-    numels = tuple(p.numel() for p, _, _ in items)
-    ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), st["exp_avg"].data_ptr(), 0, st["exp_avg_sq"].data_ptr(),
-                  0, i, p.numel(), shard_offset(i),
-                  st["param_correction"].data_ptr() if "param_correction" in st else 0)
-                 + ((0, 0, u[j].data_ptr()) if u is not None else ())
-                 for j, (p, st, i) in enumerate(items))
-    progs, tab, extra = cached_tables(cache, dev, (dev, "adamw", numels), numels, ADAMW_BLOCK,
-                                       ("adamw", ptrs), ptrs, 1, own_table)
-    p0 = items[0][0]
-    bf16, p_corr = p0.dtype == torch.bfloat16, "param_correction" in items[0][1]
-    return dict(dev=None, grid=(progs[0].numel(),), progs=progs[0], tab=tab, grads=tuple(r[1] for r in ptrs),
-                flags=dict(HAS_U=u is not None, P_KIND=DTYPE_KIND[p0.dtype], G_KIND=DTYPE_KIND[p0.grad.dtype],
-                           P_SR=bf16 and not p_corr and rule == "sr", P_CORR=bf16 and p_corr,
-                           SHARDED=any(r[8] for r in ptrs), BLOCK=ADAMW_BLOCK, num_warps=4, **extra))
-
-
-def adamw_fp32_launch(launch, lr, b1, b2, eps, wd, t, seed_of_step, kernel=None):
-    """Launch adamw_fp32_kernel (or `kernel`, the same kernel by another name) for an adamw_prepare
-    plan with step t's scalars."""
-    (seed_of_step, decay, step_size, inv_sqrt_bc2), dev = launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step)
-    (kernel or adamw_fp32_kernel)[launch["grid"]](launch["progs"], launch["tab"], seed_of_step, decay, step_size,
-                                              b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2, eps, *dev, **launch["flags"])
+    """Everything of adamw_step_triton's launch that does not change between steps: a
+    launch.Launch of adamw_fp32_kernel (launch.prepare; own_table as there)."""
+    p0, p_corr = items[0][0], "param_correction" in items[0][1]
+    bf16 = p0.dtype == torch.bfloat16
+    return prepare(adamw_fp32_kernel, items, cache, 1, ADAMW_BLOCK, (), dict(
+        HAS_U=u is not None, P_KIND=DTYPE_KIND[p0.dtype], G_KIND=DTYPE_KIND[p0.grad.dtype],
+        P_SR=bf16 and not p_corr and rule == "sr", P_CORR=bf16 and p_corr,
+        SHARDED=any(shard_offset(i) for _, _, i in items), BLOCK=ADAMW_BLOCK, num_warps=4),
+        None if u is None else [(None, None, x) for x in u], own_table)

@@ -1,9 +1,9 @@
 """
 The launch tables of AdamW4bit's two Triton kernels (the 4-bit step and the FP32-state step) and
 their per-step scalars: which program steps which tensor, one int64 row of pointers per tensor
-with named columns (TAB_*), their cache, and the capturable step's device-side scalars (t and lr
-read from device memory, the bias corrections from a float64 table). Touches only the tables it
-builds; the kernels read them.
+with named columns (TAB_*), their cache, a prepared launch (Launch), and the capturable step's
+device-side scalars (t and lr read from device memory, the bias corrections from a float64
+table). Touches only the tables it builds; the kernels read them.
 """
 import math
 import os
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.optim.sr_bits import index_seed, tl_step_seed
+from lowbit.optim.sr_bits import index_seed, shard_offset, tl_step_seed
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)    # param and grad dtypes
 DTYPE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # the kernels' P_KIND, G_KIND
@@ -44,10 +44,10 @@ def _program_table(units, per_program, device):
 
 
 def _launch_table(ptrs, first_programs, block_size, device):
-    """The launch table, int64 (tensors, TAB_WIDTH) on `device`, from adamw4bit_step_triton's
-    per-tensor tuples (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale data
-    pointers, parameter index, numel, offset (sr_bits.shard_offset), param_correction pointer or
-    0[, u_m, u_v, u_p pointers])."""
+    """The launch table, int64 (tensors, TAB_WIDTH) on `device`, from prepare's per-tensor tuples
+    (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale data pointers (0 for the
+    FP32 states' missing scales), parameter index, numel, offset (sr_bits.shard_offset),
+    param_correction pointer or 0[, u_m, u_v, u_p pointers])."""
     rows = []
     for first, (param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, index, numel, offset,
                 correction, *u) in zip(first_programs, ptrs):
@@ -68,59 +68,96 @@ def _launch_table(ptrs, first_programs, block_size, device):
     return torch.tensor(rows, dtype=torch.int64).to(device)
 
 
-def cached_tables(cache, dev, program_key, units, per_program, launch_key, ptrs, block_size, own_table):
-    """The program table (_program_table(units, per_program, dev)), the launch table
-    (_launch_table(ptrs, ..., block_size, dev)) and the compile options of a launch of either
-    kernel. The tables are cached in `cache` (the optimizer's dict, under "programs" and
+def prepare(kernel, items, cache, block_size, per_program, tables, flags, u=None, own_table=False,
+            maxnreg=None):
+    """A Launch of either kernel for `items`, (param, state, index) triples of one device: the
+    program table (_program_table: per tensor numel / block_size units, per_program of them a
+    program), the launch table (_launch_table: each item's pointers; u: optional, per item a
+    tuple of the caller's uniform tensors (u_m, u_v, u_p), None for a missing one), the kernel's
+    lookup `tables` and compile-time `flags`, with ALIGNED, where the flags have it, set to
+    whether every param and grad can be read as element pairs, one word a pair (8-byte aligned
+    for FP32, 4-byte for BF16 and FP16: true for whole tensors, maybe not for views into a flat
+    buffer; otherwise the kernel reads element by element). maxnreg: the compiled kernel's
+    register limit. The tables are cached in `cache` (the optimizer's dict, under "programs" and
     "launch") because building them is a host loop over the tensors and a host-to-device copy:
-    with the same tensor sizes (program_key) and data pointers (launch_key) a step reuses them.
-    More than 64 launch tables mean parameters or states were reallocated: the old ones are
-    dropped. own_table: a launch table of its own, not shared with the cache (the step's cached
-    plan rewrites its gradient column in place, triton_regrad)."""
+    with the same tensor sizes and data pointers a step reuses them. More than 64 launch tables
+    mean parameters or states were reallocated: the old ones are dropped. own_table: a launch
+    table of its own, not shared with the cache (a recorded plan rewrites its gradient column in
+    place, Launch.regrad)."""
+    p0, dev = items[0][0], items[0][0].device
+    ptr = lambda t: 0 if t is None else t.data_ptr()   # noqa: E731
+    ptrs = tuple((p.data_ptr(), p.grad.data_ptr(), *(ptr(st.get(k)) for k in (
+        "exp_avg", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_scale")), i, p.numel(), shard_offset(i),
+        ptr(st.get("param_correction"))) + (() if u is None else tuple(map(ptr, u[j])))
+        for j, (p, st, i) in enumerate(items))
+    numels = tuple(p.numel() for p, _, _ in items)
     programs, launches = (cache.setdefault(k, {}) for k in ("programs", "launch"))
-    progs = programs.get(program_key)
+    progs = programs.get((dev, block_size, per_program, numels))
     if progs is None:
-        progs = programs[program_key] = _program_table(units, per_program, dev)
-    tab = launches.get(launch_key)
+        progs = programs[(dev, block_size, per_program, numels)] = _program_table(
+            [n // block_size for n in numels], per_program, dev)
+    tab = launches.get((block_size, per_program, ptrs))
     if tab is None:
         if len(launches) > 64:                     # parameters or states were reallocated
             launches.clear()
-        tab = launches[launch_key] = _launch_table(ptrs, progs[1], block_size, dev)
+        tab = launches[(block_size, per_program, ptrs)] = _launch_table(ptrs, progs[1], block_size, dev)
     if own_table:
         tab = tab.clone()                          # a device copy: no host transfer
     # compiled (not TRITON_INTERPRET=1): no FMA contraction, so products round as in the torch
-    # references, bit for bit; the interpreter has no such option (empty options: interpreted)
-    extra = {} if os.environ.get("TRITON_INTERPRET", "0") == "1" else {"enable_fp_fusion": False}
-    return progs, tab, extra
+    # references, bit for bit; the interpreter has no such option (interpreted: no options)
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        flags = dict(flags, enable_fp_fusion=False, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    p_align, g_align = 2 * p0.element_size(), 2 * p0.grad.element_size()
+    p_aligned = all(r[0] % p_align == 0 for r in ptrs)
+    if "ALIGNED" in flags:
+        flags = dict(flags, ALIGNED=p_aligned and all(r[1] % g_align == 0 for r in ptrs))
+    return Launch(kernel, progs[0], tab, ptrs, tables, flags, p_aligned, g_align)
 
 
-def triton_regrad(launch, grads):
-    """Point a _triton_prepare or adamw_prepare (own_table=True) launch at new gradient tensors
-    (same dtypes and sizes, e.g. after zero_grad(set_to_none=True) when the allocator gave other
-    addresses): one host-to-device copy of the gradient column, from pinned memory, no host sync."""
-    ptrs = tuple(g.data_ptr() for g in grads)
-    col = torch.tensor(ptrs, dtype=torch.int64)
-    tab = launch["tab"]
-    if tab.is_cuda:
-        col = col.pin_memory()
-    tab[:, TAB_GRAD.value].copy_(col, non_blocking=True)
-    launch["grads"] = ptrs
-    if "ALIGNED" in launch["flags"]:
-        launch["flags"]["ALIGNED"] = launch["p_aligned"] and all(g % launch["g_align"] == 0 for g in ptrs)
+class Launch:
+    """One prepared launch of either kernel (prepare, for adam4bit's _triton_prepare and
+    fp32.adamw_prepare): everything that does not change between steps. run() launches it with
+    a step's hyperparameters; a recorded step plan keeps it and repoints it at moved gradients
+    (regrad)."""
 
+    def __init__(self, kernel, progs, tab, ptrs, tables, flags, p_aligned=True, g_align=1):
+        self.kernel, self.grid, self.progs, self.tab = kernel, (progs.numel(),), progs, tab
+        self.tables = tables        # the kernel's arguments between the launch table and the scalars
+        self.flags = flags          # its compile-time flags and options
+        self.grads = tuple(r[1] for r in ptrs)     # the gradients' addresses in the launch table
+        self.p_aligned, self.g_align = p_aligned, g_align   # the 4-bit kernel's ALIGNED flag, see regrad
+        self.dev = None             # capturable: the tensors of the device scalars (plan.StepPlan)
 
-def launch_scalars(launch, lr, b1, b2, wd, t, seed_of_step):
-    """The per-step arguments of both kernels: (seed_of_step, decay, step_size, 1/sqrt(bc2)) of
-    eq. 2.1b at step t from the host, then the device ones (step counter, lr, capturable_bias_table,
-    its rows, the DEV flag). A launch with launch["dev"] (capturable=True) passes no host
-    scalars: the kernel reads t and lr from device memory (device_scalars), the same float64
-    arithmetic."""
-    dev = launch["dev"]
-    if dev is None:
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        tab = launch["tab"]        # unused pointers
-        return (seed_of_step, 1 - lr * wd, lr / bc1, 1 / math.sqrt(bc2)), (tab, tab, tab, 1, False)
-    return (dev["seed_term"], 0.0, 0.0, 0.0), (dev["step"], dev["lr"], dev["bias"], dev["rows"], True)
+    def run(self, lr, b1, b2, eps, wd, t, seed_of_step):
+        """Launch with step t's scalars: seed_of_step, decay = 1 - lr wd, step_size = lr / bc1 and
+        1/sqrt(bc2) of eq. 2.1b, bc = 1 - b^t, from the host; with self.dev (capturable=True) the
+        kernel reads t and lr from device memory instead (device_scalars), the same float64
+        arithmetic."""
+        if self.dev is None:
+            bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+            scalars = (seed_of_step, 1 - lr * wd, lr / bc1, 1 / math.sqrt(bc2))
+            dev = (self.tab, self.tab, self.tab, 1, False)    # unused pointers
+        else:
+            d = self.dev
+            scalars = (d["seed_term"], 0.0, 0.0, 0.0)
+            dev = (d["step"], d["lr"], d["bias"], d["rows"], True)
+        seed_of_step, decay, step_size, inv_sqrt_bc2 = scalars
+        self.kernel[self.grid](self.progs, self.tab, *self.tables, seed_of_step, decay, step_size,
+                               b1, 1 - b1, b2, 1 - b2, inv_sqrt_bc2, eps, *dev, **self.flags)
+
+    def regrad(self, grads):
+        """Point the launch at new gradient tensors (same dtypes and sizes, e.g. after
+        zero_grad(set_to_none=True) when the allocator gave other addresses): one host-to-device
+        copy of the gradient column, from pinned memory, no host sync. The table must be the
+        launch's own (own_table=True)."""
+        ptrs = tuple(g.data_ptr() for g in grads)
+        col = torch.tensor(ptrs, dtype=torch.int64)
+        if self.tab.is_cuda:
+            col = col.pin_memory()
+        self.tab[:, TAB_GRAD.value].copy_(col, non_blocking=True)
+        self.grads = ptrs
+        if "ALIGNED" in self.flags:
+            self.flags["ALIGNED"] = self.p_aligned and all(g % self.g_align == 0 for g in ptrs)
 
 
 BIAS_ROWS_MAX = 1 << 22
@@ -145,7 +182,7 @@ def capturable_bias_table(b1, b2, wd):
 @triton.jit
 def device_scalars(step_ptr, lr_ptr, bias_table, bias_rows, seed_term):
     # A capturable step's scalars from device memory, with the host's float64 arithmetic (see
-    # launch_scalars): t (the float32 step counter), lr (float32 or float64), and from
+    # Launch.run): t (the float32 step counter), lr (float32 or float64), and from
     # capturable_bias_table row min(t, rows - 1) bc1 = 1 - b1^t and 1 / sqrt(bc2), its row 0 holding wd;
     # seed_term = sr_bits.seed_base(seed), step_seed's step-free part.
     t = tl.load(step_ptr).to(tl.int64)

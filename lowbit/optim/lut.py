@@ -1,6 +1,6 @@
 """
 The lookup tables of AdamW4bit's fused kernel, built once per optimizer from its codebooks (CPU
-tensors; the wrapper copies them to each device): decode, level search and adjacent levels, each
+tensors; on_device copies them to each device): decode, level search and adjacent levels, each
 entry two float32 values packed in one int64 so that the kernel reads both with one gather.
 Touches nothing but the codebooks it is given.
 """
@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from codebooks import get_codebook, midpoints
-from lowbit.numerics import sqrt_rn
+from lowbit.numerics import midpoints, sqrt_rn
 
 LUT_BUCKETS = (32, 64, 128, 256, 512, 1024)   # bucket counts of the level search over [-1, 1]
 
@@ -63,8 +62,9 @@ def bucket_lut(bounds, n=None, margin=2.0 ** -12):
     return pair_bits(count.to(torch.int32), nxt[count])
 
 
-def build_kernel_tables(cfg):
-    """The kernel's lookup tables (CPU tensors) for an optimizer configuration:
+def build_kernel_tables(T_m, T_v, cfg):
+    """The kernel's lookup tables (CPU tensors) for an optimizer configuration cfg (AdamW4bit.qcfg:
+    its rounding rules and codebook names) and its codebooks' levels T_m, T_v:
     m_decode/v_decode: byte -> (T[low nibble], T[high nibble]) as pair_bits, int64 (256,);
     v_codebook: T_v (EDEN reads T[code]);
     m_lut_rtn/m_lut_sr/v_lut: bucket_lut of the level midpoints (State-RTN: the code is the
@@ -72,7 +72,6 @@ def build_kernel_tables(cfg):
     m_adjacent/v_adjacent: k -> (T[k], T[k+1]) as pair_bits, or (sqrt T[k], sqrt T[k+1]) for
     the update coordinate (one 64-bit gather).
     Raises ValueError, naming the moment's codebook, if its levels are too dense for bucket_lut."""
-    T_m, T_v = (get_codebook(cfg[k]) for k in ("m_codebook", "v_codebook"))
     codes = torch.arange(256)
 
     def dec(T):   # codes >= K are never written; they decode to the top level
@@ -93,3 +92,12 @@ def build_kernel_tables(cfg):
         t["m_lut_sr"] = lut("m", T_m[1:-1])
     t["v_lut"] = lut("v", midpoints(T_v) if cfg["v_rounding"] == "state-rtn" else T_v[1:-1])
     return t
+
+
+def on_device(tables, device, cache):
+    """build_kernel_tables' tables on `device`, copied at their first use there and kept in
+    `cache` (the optimizer's dict, under "tables")."""
+    on = cache.setdefault("tables", {})
+    if device not in on:
+        on[device] = {k: x.to(device) for k, x in tables.items()}
+    return on[device]

@@ -1,8 +1,9 @@
 """
 The 16-bit parameter write of AdamW4bit (paper B's parameters in BF16 / FP16), one copy for the
 torch references and one for both Triton kernels: BF16 round-to-nearest-even or stochastic
-rounding, and the 24-bit master weight of eq. MW (an int8 correction per BF16 weight). Touches
-the parameter and its "param_correction" state only.
+rounding, and the 24-bit master weight of eq. MW (an int8 correction per BF16 weight); and the
+4-bit kernel's reads and writes of element pairs (even and odd elements, one word each where
+aligned). Touches the parameter and its "param_correction" state only.
 
   "rtn"   round to nearest even (what a cast does);
   "sr"    stochastic rounding: with u ~ U[0, 1) and k = floor(u 2^16), add k to the FP32 bit
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from lowbit.numerics import bf16_rne_bits, tl_bf16_rne_bits, tl_bf16_round_bits
+from lowbit.optim.lut import join_bits, unpair
 from lowbit.optim.sr_bits import span_uniforms
 
 PARAM_ROUNDINGS = ("rtn", "sr")
@@ -148,3 +150,57 @@ def param_bits16(w, u, corr, mask, P_KIND: tl.constexpr, P_SR: tl.constexpr, P_C
             tl.store(corr, _split_master(w, x), mask=mask)
         h = (x >> 16) & 0xFFFF
     return h
+
+
+@triton.jit
+def tl_masked_load(ptr, mask):
+    # tl.load, masked (zeros outside) only when a mask is given
+    if mask is None:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=mask, other=0)
+    return x
+
+
+@triton.jit
+def tl_load_pairs(ptr, pair, mask, KIND: tl.constexpr, ALIGNED: tl.constexpr):
+    # elements 2 pair and 2 pair + 1 of a float32 / BF16 / FP16 tensor (KIND: launch.DTYPE_KIND)
+    # as float32 (BF16 and FP16 -> FP32 are exact): ALIGNED, from one 64- or 32-bit word per pair
+    # (little-endian: the even element in the low half), else element by element
+    if not ALIGNED:
+        lo = tl_masked_load(ptr + 2 * pair, mask).to(tl.float32)
+        hi = tl_masked_load(ptr + 2 * pair + 1, mask).to(tl.float32)
+    elif KIND == 0:
+        lo, hi = unpair(tl_masked_load(ptr.to(tl.pointer_type(tl.int64), bitcast=True) + pair, mask))
+    else:
+        word = tl_masked_load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pair, mask)
+        if KIND == 1:
+            lo = (word << 16).to(tl.float32, bitcast=True)
+            hi = (word & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = word.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (word >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def tl_store_pairs(param, corr, pair, w0, w1, u0, u1, mask, P_KIND: tl.constexpr, P_SR: tl.constexpr,
+                   P_CORR: tl.constexpr, ALIGNED: tl.constexpr):
+    # write_param of the new weights w0, w1 (float32) at elements 2 pair and 2 pair + 1: FP32 as
+    # they are, 16-bit ones through param_bits16 (u0, u1: the SR uniforms; corr: eq. MW's
+    # corrections); ALIGNED, one word per pair, else element by element
+    if P_KIND == 0:
+        if ALIGNED:
+            tl.store(param.to(tl.pointer_type(tl.int64), bitcast=True) + pair, join_bits(w0, w1), mask=mask)
+        else:
+            tl.store(param + 2 * pair, w0, mask=mask)
+            tl.store(param + 2 * pair + 1, w1, mask=mask)
+    else:
+        h0 = param_bits16(w0, u0, corr + 2 * pair, mask, P_KIND, P_SR, P_CORR)
+        h1 = param_bits16(w1, u1, corr + 2 * pair + 1, mask, P_KIND, P_SR, P_CORR)
+        if ALIGNED:
+            tl.store(param.to(tl.pointer_type(tl.int32), bitcast=True) + pair, h0 | (h1 << 16), mask=mask)
+        else:
+            p16 = param.to(tl.pointer_type(tl.int16), bitcast=True) + 2 * pair
+            tl.store(p16, h0.to(tl.int16), mask=mask)
+            tl.store(p16 + 1, h1.to(tl.int16), mask=mask)

@@ -4,8 +4,8 @@ fused-AdamW lists, the FP32-state reference loop, the kernels' prepared launches
 replay it with no Python per tensor beyond a signature check, while nothing it depends on changed
 (PlanKey); gradients at new addresses only repoint the launch tables. capturable=True: the step
 counters and lr live on the device, the replay runs inside the caller's CUDA graph capture or as
-the plan's own CUDA graph. Functions of the optimizer (`opt`); they touch opt._plan,
-opt._device_bufs and the tensors the plan names.
+the plan's own CUDA graph. A StepPlan holds the recorded step, what voids it and the device
+buffers; it sees the optimizer only through its arguments and touches the tensors it names.
 
 Capture rules (capturable=True): under torch.cuda.graph capture, step() repeats the last step()
 taken outside capture, so that step must have been taken with the gradients the graph will use
@@ -23,20 +23,24 @@ from typing import NamedTuple
 import torch
 
 from lowbit.optim.fp32 import fp32_loop, fused_fp32_args, fused_fp32_group, split_fp32
-from lowbit.optim.launch import capturable_bias_table, triton_regrad
-from lowbit.optim.args import group_hparams
-from lowbit.optim.state import DTensor, drop_local_grads, local_params
+from lowbit.optim.launch import capturable_bias_table
+from lowbit.optim.state import DTensor
 from lowbit.optim.sr_bits import step_seed, seed_base
+
+
+def hparams(group):
+    """(lr, b1, b2, eps, wd) of a param group for this step; lr may be a 0-d tensor (schedulers)."""
+    lr = group["lr"]
+    return (float(lr.item()) if torch.is_tensor(lr) else float(lr), *group["betas"], group["eps"],
+            group["weight_decay"])
 
 
 class PlanKey(NamedTuple):
     """What a recorded plan depends on, beyond the hyperparameters and the seed that replay reads
     each step and the gradients' addresses (compared apart, with layout_key when one moved)."""
-    version: int            # opt._plan_version: states created or loaded, groups added, LM head marked
-    state_id: int           # id(opt.state)
+    version: int            # StepPlan.invalidate(): states created or loaded, groups added, LM head marked
+    config: tuple           # the optimizer's: id(state), impl, whether the LM head's first moment takes SR
     interp: bool            # TRITON_INTERPRET=1
-    impl: str
-    lm_head_sr: bool        # the LM head's first moment takes SR
     quantize: tuple         # each group's quantize flag
     group_sizes: tuple      # parameters per group
     param_ids: tuple        # the parameters (their local tensors for FSDP2)
@@ -52,170 +56,177 @@ def layout_key(params, grads):
                   for p, g in zip(params, grads)])
 
 
-def plan_key(opt, interp, params, grads):
-    # The PlanKey of this step (a new gradient may take the old one's address: its dtype and
-    # contiguity are in the key). None: no plan (DTensor parameters: before step() has their
-    # local aliases, or gathered).
-    ids = tuple(map(id, params))
-    plan = opt._plan   # the same objects as the plan's: no DTensor (isinstance is slow on tensors)
-    if (plan is None or plan["key"].param_ids != ids) and DTensor is not None and \
-            any(isinstance(p, DTensor) for p in params):
-        return None
-    after = opt.qcfg["lm_head_sr_after"]
-    groups = opt.param_groups
-    return PlanKey(opt._plan_version, id(opt.state), interp, opt.impl, after is not None and opt.progress >= after,
-                   tuple([g["quantize"] for g in groups]), tuple(map(len, [g["params"] for g in groups])),
-                   ids, tuple([p.data_ptr() for p in params]),
-                   tuple([None if g is None else (g.dtype, g.layout is torch.strided and g.is_contiguous())
-                          for g in grads]),
-                   tuple([(g["betas"], g["eps"], g["weight_decay"], id(g["lr"]) if torch.is_tensor(g["lr"]) else None)
-                          for g in groups]) if opt.capturable else None)
+class StepPlan:
+    """AdamW4bit.step()'s recorded plan (module docstring), what voids it (its version) and the
+    capturable step's device buffers (lr per group, capturable_bias_table per betas and wd).
 
+    A step calls replay_or_record; when it returns a new record (nothing to replay) the step runs
+    each param group through run_group, which records it, and keeps the record with keep()."""
 
-def replay_or_new_plan(opt, capturing):
-    """Replay opt's recorded plan if nothing it depends on changed and return None; else a new
-    empty plan (a dict) for the step to record into. Raises RuntimeError under CUDA graph capture
-    when there is nothing to repeat."""
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    params = opt._params()
-    grads = [p.grad for p in params]
-    views = opt._local_views
-    if views:   # FSDP2: the plan runs on the local tensors
-        params, grads = local_params(params, grads, views)
-    gptrs = tuple([0 if g is None or g.layout is not torch.strided else g.data_ptr() for g in grads])
-    key = plan_key(opt, interp, params, grads)
-    plan = opt._plan
-    if plan is not None and plan["key"] == key and (
-            gptrs == plan["grads"] or plan["layout"] == layout_key(params, grads)):
-        replay(opt, plan, grads, gptrs, capturing)
-        drop_local_grads(views)
-        return None
-    if capturing:
-        raise RuntimeError("AdamW4bit(capturable=True): step() under CUDA graph capture repeats the "
-                           "last step() taken outside capture, and this one differs from it (parameters, "
-                           "gradients, param groups or states changed, or there was none): take one "
-                           "step() outside capture first, with the gradients the graph will use")
-    return dict(key=key, layout=layout_key(params, grads), states=[], groups=[], k=0, grads=gptrs)
+    def __init__(self, capturable):
+        self.capturable = capturable
+        self.version = 0          # bumped by invalidate()
+        self.recorded = None      # the kept record (a dict), replayed while its key holds
+        self.device_bufs = {}     # ("lr", group index, device) / ("bias", b1, b2, wd, device) -> tensor
 
+    def invalidate(self):
+        """Void the recorded plan: states were created or loaded, a group added, the LM head marked."""
+        self.version += 1
 
-def finish_plan(opt, plan):
-    """Keep a fully recorded plan for the next steps (capturable: with its step counters and
-    whether it can run as a CUDA graph)."""
-    if opt.capturable:
-        plan["steps"] = [st["step"] for st in plan["states"]]
-        plan["graphable"] = all(g["device"] is None or (g["device"].type == "cuda" and not g["loop"])
-                                for g in plan["groups"])
-    opt._plan = plan
+    def replay_or_record(self, groups, config, params, grads, seed, rule, capturing):
+        """Replay the recorded step if nothing it depends on changed (PlanKey) and return None;
+        else drop it and return a new empty record (a dict) for the step to run and record.
+        groups: the optimizer's param groups; config: its (id(state), impl, LM-head SR) tuple;
+        params, grads: every parameter and its gradient (FSDP2 ones as local tensors); seed,
+        rule: the SR seed and param_rounding. Raises RuntimeError under CUDA graph capture when
+        there is nothing to repeat."""
+        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        gptrs = tuple([0 if g is None or g.layout is not torch.strided else g.data_ptr() for g in grads])
+        key = self._key(groups, config, interp, params, grads)
+        plan = self.recorded
+        if plan is not None and plan["key"] == key and (
+                gptrs == plan["grads"] or plan["layout"] == layout_key(params, grads)):
+            self._replay(plan, grads, gptrs, seed, rule, capturing)
+            return None
+        if capturing:
+            raise RuntimeError("AdamW4bit(capturable=True): step() under CUDA graph capture repeats the "
+                               "last step() taken outside capture, and this one differs from it (parameters, "
+                               "gradients, param groups or states changed, or there was none): take one "
+                               "step() outside capture first, with the gradients the graph will use")
+        self.recorded = None
+        return dict(key=key, layout=layout_key(params, grads), states=[], groups=[], k=0, grads=gptrs)
 
+    def _key(self, groups, config, interp, params, grads):
+        # The PlanKey of this step (a new gradient may take the old one's address: its dtype and
+        # contiguity are in the key). None: no plan (DTensor parameters: before step() has their
+        # local aliases, or gathered).
+        ids = tuple(map(id, params))
+        plan = self.recorded   # the same objects as the plan's: no DTensor (isinstance is slow on tensors)
+        if (plan is None or plan["key"].param_ids != ids) and DTensor is not None and \
+                any(isinstance(p, DTensor) for p in params):
+            return None
+        return PlanKey(self.version, config, interp,
+                       tuple([g["quantize"] for g in groups]), tuple(map(len, [g["params"] for g in groups])),
+                       ids, tuple([p.data_ptr() for p in params]),
+                       tuple([None if g is None else (g.dtype, g.layout is torch.strided and g.is_contiguous())
+                              for g in grads]),
+                       tuple([(g["betas"], g["eps"], g["weight_decay"], id(g["lr"]) if torch.is_tensor(g["lr"])
+                               else None) for g in groups]) if self.capturable else None)
 
-def run_group(opt, plan, gi, group, hp, fp32, launches, fused_devices):
-    """One param group's FP32-state steps and kernel launches at this step, recorded in `plan` as
-    launch_plan repeats them. hp: (lr, b1, b2, eps, wd); fp32: (param, state, t, seed index)
-    items; launches: (t, prepared launch, its (param, state, index) items, the launch function);
-    fused_devices: where FP32 parameters take torch's fused AdamW."""
-    device = next((p.device for p in group["params"] if p.grad is not None), None)
-    by_t, loop = split_fp32(fp32, fused_devices)
-    fp32_loop(loop, 0, hp, opt.qcfg["param_rounding"], opt.seed)
-    lr = device_lr(opt, gi, group, device) if opt.capturable and by_t else None
-    fused = [(t, fused_fp32_args(its, lr)) for t, its in by_t.items()]
-    for t, a in fused:        # the host's t and lr at this step, as without a plan
-        fused_fp32_group(dict(a, lr=None), t, *hp)
-    gplan = dict(group=group, index=gi, device=device, fused=fused, loop=loop, launches=[])
-    plan["groups"].append(gplan)
-    for t, launch, items, run in launches:
-        if opt.capturable:
-            launch["dev"] = device_args(opt, gi, group, items[0][1], device)
-        run(launch, *hp, t, step_seed(opt.seed, t))
-        gplan["launches"].append((t, launch, [p for p, _, _ in items], run))
+    def run_group(self, record, gi, group, hp, states, fp32, launches, seed, rule):
+        """One param group's FP32-state steps and kernel launches at this step, recorded in
+        `record` as _launch_all repeats them. hp: (lr, b1, b2, eps, wd); states: the group's
+        states stepped (their counters advance on replay); fp32: (param, state, t, seed index)
+        items; launches: (t, launch.Launch, its (param, state, index) items); seed, rule: the
+        SR seed and param_rounding."""
+        record["states"] += states
+        device = next((p.device for p in group["params"] if p.grad is not None), None)
+        by_t, loop = split_fp32(fp32)
+        fp32_loop(loop, 0, hp, rule, seed)
+        lr = self._device_lr(gi, group, device) if self.capturable and by_t else None
+        fused = [(t, fused_fp32_args(its, lr)) for t, its in by_t.items()]
+        for t, a in fused:        # the host's t and lr at this step, as without a plan
+            fused_fp32_group(dict(a, lr=None), t, *hp)
+        gplan = dict(group=group, index=gi, device=device, fused=fused, loop=loop, launches=[])
+        record["groups"].append(gplan)
+        for t, launch, items in launches:
+            if self.capturable:
+                launch.dev = self._device_args(gi, group, items[0][1], device, seed)
+            launch.run(*hp, t, step_seed(seed, t))
+            gplan["launches"].append((t, launch, [p for p, _, _ in items]))
 
+    def keep(self, record):
+        """Keep a fully recorded step for the next ones (capturable: with its step counters and
+        whether it can run as a CUDA graph)."""
+        if self.capturable:
+            record["steps"] = [st["step"] for st in record["states"]]
+            record["graphable"] = all(g["device"] is None or (g["device"].type == "cuda" and not g["loop"])
+                                      for g in record["groups"])
+        self.recorded = record
 
-def replay(opt, plan, grads, gptrs, capturing=False):
-    # the recorded step, k steps later: the same tensors, groups and launches, each group's
-    # step t + k; the hyperparameters (lr, betas, eps, weight_decay), param_rounding and seed
-    # are read now; gptrs: the gradients' addresses (the launch tables are repointed if moved).
-    # capturable: the step counters and lr live on the device; the launches run inside the
-    # caller's CUDA graph capture, or as this plan's own CUDA graph (captured again when the
-    # gradients moved: torch's fused AdamW keeps their addresses)
-    plan["k"] = k = plan["k"] + 1
-    moved = gptrs != plan["grads"]
-    plan["grads"] = gptrs
-    if moved:
+    def _replay(self, plan, grads, gptrs, seed, rule, capturing):
+        # the recorded step, k steps later: the same tensors, groups and launches, each group's
+        # step t + k; the hyperparameters (lr, betas, eps, weight_decay) are read now; gptrs: the
+        # gradients' addresses (the launch tables are repointed if moved). capturable: the step
+        # counters and lr live on the device; the launches run inside the caller's CUDA graph
+        # capture, or as this plan's own CUDA graph (captured again when the gradients moved:
+        # torch's fused AdamW keeps their addresses)
+        plan["k"] = k = plan["k"] + 1
+        moved = gptrs != plan["grads"]
+        plan["grads"] = gptrs
+        if moved:
+            for gplan in plan["groups"]:
+                for _, launch, ps in gplan["launches"]:
+                    gs = [p.grad for p in ps]
+                    if tuple(g.data_ptr() for g in gs) != launch.grads:
+                        if capturing:
+                            raise RuntimeError(
+                                "AdamW4bit(capturable=True): the gradients are at other addresses than "
+                                "at the last step() outside CUDA graph capture; keep them in place "
+                                "(zero_grad(set_to_none=False)) or take a step() with them first")
+                        launch.regrad(gs)
+        if not self.capturable:
+            for st in plan["states"]:
+                st["step"] += 1
+            self._launch_all(plan, k, seed, rule)
+            return
+        for gplan in plan["groups"]:       # lr into the device buffers the launches read
+            if gplan["device"] is not None:
+                self._device_lr(gplan["index"], gplan["group"], gplan["device"], capturing)
+        if capturing or not plan["graphable"]:
+            if capturing and not plan["graphable"]:
+                raise RuntimeError("AdamW4bit(capturable=True): a parameter takes the reference step "
+                                   "(non-contiguous, or not on CUDA), which cannot run in a CUDA graph")
+            self._launch_all(plan, k, seed, rule)
+            return
+        graph = plan.get("graph")
+        if graph is None or moved:
+            plan["graph"] = graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._launch_all(plan, k, seed, rule)
+        graph.replay()
+
+    def _launch_all(self, plan, k, seed, rule):
+        # a recorded plan's launches at step t + k (capturable: the step counters first)
+        if self.capturable:
+            torch._foreach_add_(plan["steps"], 1.0)
         for gplan in plan["groups"]:
-            for _, launch, ps, _ in gplan["launches"]:
-                gs = [p.grad for p in ps]
-                if tuple(g.data_ptr() for g in gs) != launch["grads"]:
-                    if capturing:
-                        raise RuntimeError(
-                            "AdamW4bit(capturable=True): the gradients are at other addresses than "
-                            "at the last step() outside CUDA graph capture; keep them in place "
-                            "(zero_grad(set_to_none=False)) or take a step() with them first")
-                    triton_regrad(launch, gs)
-    if not opt.capturable:
-        for st in plan["states"]:
-            st["step"] += 1
-        launch_plan(opt, plan, k)
-        return
-    for gplan in plan["groups"]:       # lr into the device buffers the launches read
-        if gplan["device"] is not None:
-            device_lr(opt, gplan["index"], gplan["group"], gplan["device"], capturing)
-    if capturing or not plan["graphable"]:
-        if capturing and not plan["graphable"]:
-            raise RuntimeError("AdamW4bit(capturable=True): a parameter takes the reference step "
-                               "(non-contiguous, or not on CUDA), which cannot run in a CUDA graph")
-        launch_plan(opt, plan, k)
-        return
-    graph = plan.get("graph")
-    if graph is None or moved:
-        plan["graph"] = graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            launch_plan(opt, plan, k)
-    graph.replay()
+            group = gplan["group"]
+            # capturable launches read lr on the device (and the loop, eager only, reads it here)
+            hp = hparams(group) if not self.capturable or gplan["loop"] else \
+                (0.0, *group["betas"], group["eps"], group["weight_decay"])
+            for t, a in gplan["fused"]:
+                fused_fp32_group(a, t + k, *hp)
+            fp32_loop(gplan["loop"], k, hp, rule, seed)
+            for t, launch, _ in gplan["launches"]:
+                launch.run(*hp, t + k, step_seed(seed, t + k))
 
+    def _device_lr(self, index, group, device, capturing=False):
+        # capturable: the 0-d tensor on `device` the kernels read lr from: the group's own lr if it
+        # is one, else a float64 buffer filled with it (not under capture: a graph would keep the
+        # value)
+        lr = group["lr"]
+        if torch.is_tensor(lr) and lr.device == device and lr.numel() == 1:
+            return lr
+        if capturing:
+            raise RuntimeError(f"AdamW4bit(capturable=True): param_groups[{index}]['lr'] is {lr!r}; under "
+                               f"CUDA graph capture it must be a 0-d tensor on {device} that you update "
+                               "in place (lr.fill_(value)), or the graph would keep this value")
+        buf = self.device_bufs.get(("lr", index, device))
+        if buf is None:
+            buf = self.device_bufs[("lr", index, device)] = torch.zeros((), dtype=torch.float64, device=device)
+        buf.fill_(float(lr))
+        return buf
 
-def launch_plan(opt, plan, k):
-    # a recorded plan's launches at step t + k (capturable: the step counters first)
-    if opt.capturable:
-        torch._foreach_add_(plan["steps"], 1.0)
-    rule = opt.qcfg["param_rounding"]
-    for gplan in plan["groups"]:
-        group = gplan["group"]
-        # capturable launches read lr on the device (and the loop, eager only, reads it here)
-        hp = group_hparams(group) if not opt.capturable or gplan["loop"] else \
-            (0.0, *group["betas"], group["eps"], group["weight_decay"])
-        for t, a in gplan["fused"]:
-            fused_fp32_group(a, t + k, *hp)
-        fp32_loop(gplan["loop"], k, hp, rule, opt.seed)
-        for t, launch, _, run in gplan["launches"]:
-            run(launch, *hp, t + k, step_seed(opt.seed, t + k))
-
-
-def device_lr(opt, index, group, device, capturing=False):
-    # capturable: the 0-d tensor on `device` the kernels read lr from: the group's own lr if it
-    # is one, else a float64 buffer of this optimizer filled with it (not under capture: a
-    # graph would keep the value)
-    lr = group["lr"]
-    if torch.is_tensor(lr) and lr.device == device and lr.numel() == 1:
-        return lr
-    if capturing:
-        raise RuntimeError(f"AdamW4bit(capturable=True): param_groups[{index}]['lr'] is {lr!r}; under "
-                           f"CUDA graph capture it must be a 0-d tensor on {device} that you update "
-                           "in place (lr.fill_(value)), or the graph would keep this value")
-    buf = opt._device_bufs.get(("lr", index, device))
-    if buf is None:
-        buf = opt._device_bufs[("lr", index, device)] = torch.zeros((), dtype=torch.float64, device=device)
-    buf.fill_(float(lr))
-    return buf
-
-
-def device_args(opt, index, group, state, device):
-    # a capturable launch's device arguments (launch_scalars): the step counter of its
-    # tensors (one t per launch), lr, the bias-correction table of the group's betas and wd
-    b1, b2 = group["betas"]
-    key = ("bias", b1, b2, group["weight_decay"], device)
-    bias = opt._device_bufs.get(key)
-    if bias is None:   # betas or wd changed (e.g. OneCycleLR's cycle_momentum): a new table
-        for k in [k for k in opt._device_bufs if k[0] == "bias"][:-3]:
-            del opt._device_bufs[k]           # keep the last few, not one per step
-        bias = opt._device_bufs[key] = capturable_bias_table(b1, b2, group["weight_decay"]).to(device)
-    return dict(step=state["step"], lr=device_lr(opt, index, group, device), bias=bias,
-                rows=bias.shape[0], seed_term=seed_base(opt.seed))
+    def _device_args(self, index, group, state, device, seed):
+        # a capturable launch's device arguments (Launch.run): the step counter of its tensors
+        # (one t per launch), lr, the bias-correction table of the group's betas and wd
+        b1, b2 = group["betas"]
+        key = ("bias", b1, b2, group["weight_decay"], device)
+        bias = self.device_bufs.get(key)
+        if bias is None:   # betas or wd changed (e.g. OneCycleLR's cycle_momentum): a new table
+            for k in [k for k in self.device_bufs if k[0] == "bias"][:-3]:
+                del self.device_bufs[k]           # keep the last few, not one per step
+            bias = self.device_bufs[key] = capturable_bias_table(b1, b2, group["weight_decay"]).to(device)
+        return dict(step=state["step"], lr=self._device_lr(index, group, device), bias=bias,
+                    rows=bias.shape[0], seed_term=seed_base(seed))

@@ -1,7 +1,7 @@
 """
 AdamW4bit's states: creation, the layouts of state_dict() and load_state_dict(), and FSDP2
-(DTensor) parameters, whose step runs on each rank's local shard. Functions of the optimizer
-(`opt`) that touch opt.state only, never the step's arithmetic.
+(DTensor) parameters, whose step runs on each rank's local shard (LocalShards). Functions of the
+states and parameters they are given, never the step's arithmetic.
 """
 import torch
 
@@ -35,7 +35,7 @@ except ImportError:
 # tensor: nothing is gathered. A parameter stepped on its local tensor (all but the gathered ones)
 # keeps one alias of it, the same object every step, so step() records and replays its plan as for
 # plain tensors: each step only points the aliases' .grad at the gradients' local tensors
-# (local_params), which FSDP2 allocates anew each step.
+# (LocalShards.local_params), which FSDP2 allocates anew each step.
 
 
 def is_dtensor(x):
@@ -79,8 +79,7 @@ def _local_state(p, shape, local_rows, dtype, replicated):
 
 def _shard_layout(p, quantized, block_size):
     """(gathered, element offset, (local shape, global offset)) of DTensor p: the element offset
-    is the step's tensor's first element's position in the whole tensor (0 for a gathered one);
-    fixed for a parameter, so AdamW4bit caches it (the offset computation costs ~50 us)."""
+    is the step's tensor's first element's position in the whole tensor (0 for a gathered one)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     box = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     gathered = quantized and not _rows_of_blocks(p, block_size) and p.device_mesh.size() > 1
@@ -88,33 +87,67 @@ def _shard_layout(p, quantized, block_size):
     return gathered, offset, box
 
 
-def _local_step_view(p, st, quantized, layout, views):
-    """What the step works on for a DTensor parameter p (module comment above), given its
-    _shard_layout: (param, state, gathered). param: a plain tensor aliasing p's local shard,
-    with .grad the local gradient, kept in `views` (id(p) -> (p's local tensor, alias)) and
-    reused while p keeps its local tensor; or, gathered, the all-gathered tensor (a collective:
-    every rank calls it in the same order). state: plain tensors aliasing st's local states,
-    flat for the quantized ones (the step's layout). The caller copies replaced states and a
-    gathered param's shard back with write_back."""
-    gathered = layout[0]
-    if gathered:
-        lp = p.full_tensor()
-        lp.grad = p.grad.full_tensor()
-    else:
-        view = views.get(id(p))
-        if view is None or view[0] is not p._local_tensor:
-            view = views[id(p)] = (p._local_tensor, p.to_local().detach())   # the step writes p's shard
-        lp = view[1]
-        lp.grad = p.grad.to_local()
-    local = {k: (v.to_local().view(-1) if quantized else v.to_local()) if torch.is_tensor(v) else v
-             for k, v in st.items()}
-    return lp, local, gathered
+class LocalShards:
+    """FSDP2: each DTensor parameter's shard layout (_shard_layout, fixed for a parameter: the
+    offset computation costs ~50 us) and the plain tensor aliasing its local shard that the step
+    works on, kept while the parameter keeps its local tensor (module comment above)."""
+
+    def __init__(self):
+        self.layouts = {}    # id(DTensor parameter) -> _shard_layout
+        self.views = {}      # id(DTensor parameter) -> (its local tensor, the step's alias)
+
+    def step_view(self, p, st, quantized, index, block_size, writeback):
+        """What the step works on for DTensor parameter p: (param, state, seed index, gathered).
+        param: the alias of p's local shard, with .grad the local gradient; or, gathered, the
+        all-gathered tensor (a collective: every rank calls it in the same order). state: plain
+        tensors aliasing st's local states, flat for the quantized ones (the step's layout). The
+        seed index is a sr_bits.ShardIndex (p's `index` with the stepped tensor's place in p).
+        The copy back after the step is appended to `writeback` (arguments of write_back)."""
+        layout = self.layouts.get(id(p))
+        if layout is None:
+            layout = self.layouts[id(p)] = _shard_layout(p, quantized, block_size)
+        gathered = layout[0]
+        if gathered:
+            lp = p.full_tensor()
+            lp.grad = p.grad.full_tensor()
+        else:
+            view = self.views.get(id(p))
+            if view is None or view[0] is not p._local_tensor:
+                view = self.views[id(p)] = (p._local_tensor, p.to_local().detach())   # the step writes p's shard
+            lp = view[1]
+            lp.grad = p.grad.to_local()
+        local = {k: (v.to_local().view(-1) if quantized else v.to_local()) if torch.is_tensor(v) else v
+                 for k, v in st.items()}
+        writeback.append((p, st, lp, local, gathered, layout[2]))
+        return lp, local, ShardIndex(index, layout[1], p.numel()), gathered
+
+    def local_params(self, params, grads):
+        """The parameters and gradients that step()'s plan key and replay see: every DTensor
+        parameter with a local alias becomes its local tensor and its gradient the gradient's
+        local tensor, which also becomes the alias's .grad (a recorded plan reads the gradients
+        there); the gathered ones stay DTensors, and plan.StepPlan gives them no plan.
+        DTensor._local_tensor, not to_local(): ~0.1 us instead of ~1 us a call."""
+        if not self.views:
+            return params, grads
+        params, grads = list(params), list(grads)
+        for i, p in enumerate(params):
+            view = self.views.get(id(p))
+            if view is not None:
+                g = grads[i]
+                params[i] = p._local_tensor
+                grads[i] = view[1].grad = None if g is None else g._local_tensor
+        return params, grads
+
+    def drop_grads(self):
+        """After a step: no reference to FSDP2's gradients outlives zero_grad (their memory is reused)."""
+        for _, lp in self.views.values():
+            lp.grad = None
 
 
 def write_back(p, st, lp, local, gathered, box):
-    """After the step on _local_step_view's (lp, local): copy the states that the step replaced
-    (the reference step stores new tensors) into st's local tensors, and a gathered param's own
-    shard (box: its local shape and global offset) into p."""
+    """After the step on LocalShards.step_view's (lp, local): copy the states that the step
+    replaced (the reference step stores new tensors) into st's local tensors, and a gathered
+    param's own shard (box: its local shape and global offset) into p."""
     for k, v in local.items():
         dst = st[k].to_local().view(-1) if torch.is_tensor(v) else None
         if dst is not None and v.data_ptr() != dst.data_ptr():
@@ -124,51 +157,31 @@ def write_back(p, st, lp, local, gathered, box):
         p.to_local().copy_(lp[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
-def local_params(params, grads, views):
-    """FSDP2: the parameters and gradients that step()'s plan key and replay see. Every DTensor
-    parameter with a local alias in `views` (_local_step_view) becomes its local tensor and its
-    gradient the gradient's local tensor, which also becomes the alias's .grad (a recorded plan
-    reads the gradients there); the gathered ones stay DTensors, and fused_step.plan_key gives them no
-    plan. DTensor._local_tensor, not to_local(): ~0.1 us instead of ~1 us a call."""
-    params, grads = list(params), list(grads)
-    for i, p in enumerate(params):
-        view = views.get(id(p))
-        if view is not None:
-            g = grads[i]
-            params[i] = p._local_tensor
-            grads[i] = view[1].grad = None if g is None else g._local_tensor
-    return params, grads
-
-
-def drop_local_grads(views):
-    # after a step: no reference to FSDP2's gradients outlives zero_grad (their memory is reused)
-    for _, lp in views.values():
-        lp.grad = None
-
-
 # ============================================================================================
 # Creating, fitting, saving and loading states
 
-def init_state(opt, p, group=None):
-    """The zero states of p at its first step (AdamW4bit._init_state)."""
-    st = opt.state[p]
-    if opt.capturable and is_dtensor(p):
+def new_state(p, quantized, block_size, capturable, master_weight_bits):
+    """The zero states of p at its first step (a dict): the step counter, the moments (4-bit if
+    `quantized`: packed codes and scales, FSDP2 ones sharded like p; else FP32 like p) and, with
+    master_weight_bits=24 on a BF16 p, eq. MW's correction. ValueError for what FSDP2 (DTensor)
+    parameters do not support (capturable=True, master_weight_bits=24)."""
+    st = {}
+    if capturable and is_dtensor(p):
         raise ValueError("capturable=True does not support FSDP2 (DTensor) parameters; use "
                          "capturable=False with fully_shard")
     # a Python number: no tensor op per parameter and step; capturable: a float32 tensor on
     # p's device, advanced by the step itself (one _foreach_add_ for all)
-    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if opt.capturable else 0.0
-    q = opt.is_quantized(p, group)
-    if q and is_dtensor(p):   # FSDP2: see _local_step_view
-        B, rows = opt.qcfg["block_size"], p.shape[0]
+    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if capturable else 0.0
+    if quantized and is_dtensor(p):   # FSDP2: see LocalShards
+        B, rows = block_size, p.shape[0]
         sharded = _rows_of_blocks(p, B)
         shapes = ((rows, p.numel() // rows // 2), (rows, p.numel() // rows // B)) if sharded else \
             ((p.numel() // 2,), (p.numel() // B,))
         for k in ("exp_avg", "exp_avg_sq"):
             for key, shape, dt in ((k, shapes[0], torch.uint8), (k + "_scale", shapes[1], torch.float32)):
                 st[key] = _local_state(p, shape, p.to_local().shape[0], dt, not sharded)
-    elif q:
-        n, B = p.numel(), opt.qcfg["block_size"]
+    elif quantized:
+        n, B = p.numel(), block_size
         for k in ("exp_avg", "exp_avg_sq"):
             # scale 0 decodes every code to 0: the zero initial moments of AdamW
             st[k] = torch.zeros(n // 2, dtype=torch.uint8, device=p.device)
@@ -176,7 +189,7 @@ def init_state(opt, p, group=None):
     else:
         st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-    if opt.qcfg["master_weight_bits"] and p.dtype == torch.bfloat16:
+    if master_weight_bits and p.dtype == torch.bfloat16:
         if is_dtensor(p):   # the gathered step would pair a full weight with a shard's bytes
             raise ValueError("master_weight_bits=24 does not support FSDP2 (DTensor) parameters; "
                              "use master_weight_bits=None (param_rounding='sr' works) or DDP")
@@ -185,37 +198,61 @@ def init_state(opt, p, group=None):
     return st
 
 
-def fit_state(opt, p, st):
-    # a state as the step's code paths expect it after the parameter changed dtype (model.to)
-    # or the state was loaded: a BF16 weight's eq. MW correction folded into a parameter cast
-    # to another dtype (the 24-bit master weight becomes its value), a zero one added where
-    # master_weight_bits=24 meets a new BF16 parameter, and contiguous tensors (the kernels
-    # index them flat)
+def check_grad(p, index):
+    """RuntimeError for a sparse gradient of p (parameter number `index`), as torch's AdamW."""
+    if p.grad.is_sparse:
+        raise RuntimeError(f"AdamW4bit does not support sparse gradients (parameter {index}, "
+                           f"shape {tuple(p.shape)}); "
+                           "use dense gradients (e.g. nn.Embedding(sparse=False))")
+
+
+def fit_state(p, st, index, capturable, master_weight_bits):
+    """State st of parameter p (number `index` from 1) as this step's code paths expect it: its
+    step counter of the optimizer's kind (a state loaded from the other kind is converted); for a
+    plain p, a BF16 weight's eq. MW correction folded into a parameter cast to another dtype
+    (model.to: the 24-bit master weight becomes its value), a zero one added where
+    master_weight_bits=24 meets a new BF16 parameter, and contiguous tensors (the kernels index
+    them flat). TypeError for a parameter or gradient dtype outside KERNEL_DTYPES (e.g.
+    model.double() after construction)."""
+    if capturable != torch.is_tensor(st["step"]):   # a state loaded from the other kind
+        st["step"] = torch.tensor(float(st["step"]), device=p.device) if capturable else float(st["step"])
+    if p.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"AdamW4bit: parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; "
+                        "allowed: float32, bfloat16, float16")
+    if p.grad.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"AdamW4bit: the gradient of parameter {index} (shape {tuple(p.shape)}) "
+                        f"is {p.grad.dtype}; allowed: float32, bfloat16, float16")
+    if is_dtensor(p):
+        return
     corr = st.get("param_correction")
     if corr is not None and p.dtype != torch.bfloat16:
         write_param(p.data, join_master(p.detach().bfloat16(), corr.view_as(p)))
         del st["param_correction"]
-    elif corr is None and p.dtype == torch.bfloat16 and opt.qcfg["master_weight_bits"]:
+    elif corr is None and p.dtype == torch.bfloat16 and master_weight_bits:
         st["param_correction"] = torch.zeros_like(p, dtype=torch.int8, memory_format=torch.contiguous_format)
     for k, v in st.items():
         if torch.is_tensor(v) and not v.is_contiguous():
             st[k] = v.contiguous()
 
 
-def state_dict(opt):
-    """AdamW4bit.state_dict: torch's, then 4-bit states per row (_per_row) and the configuration."""
-    """torch's state dict (param groups with their quantize flags) plus the quantizer
-    configuration, seed, progress and LM-head marks. The 4-bit codes and scales of a tensor
-    whose rows are whole blocks come per row (_per_row: FSDP2's layout, views, no copy)."""
-    sd = torch.optim.Optimizer.state_dict(opt)
-    for i, p in enumerate(opt._params()):   # torch numbers the parameters in group order
+def state_nbytes(states):
+    """The bytes of every state tensor but the step counters (a DTensor's local part)."""
+    local = lambda t: t.to_local() if is_dtensor(t) else t   # noqa: E731
+    return sum(local(t).numel() * t.element_size() for st in states
+               for k, t in st.items() if k != "step" and torch.is_tensor(t))
+
+
+def with_config(sd, params, qcfg, extra):
+    """torch's state dict `sd` of the optimizer as AdamW4bit.state_dict gives it: the 4-bit codes
+    and scales of a tensor whose rows are whole blocks per row (_per_row: FSDP2's layout, views,
+    no copy), the quantizer configuration qcfg and `extra` (seed, progress, LM-head positions);
+    every param group carries both too (torch.distributed.checkpoint keeps only "state" and
+    "param_groups"), for load_state_dict. params: the optimizer's, in torch's numbering."""
+    for i, p in enumerate(params):
         if i in sd["state"]:
-            sd["state"][i] = _per_row(p, sd["state"][i], opt.qcfg["block_size"])
-    sd["adam4bit"] = {k: opt.qcfg[k] for k in sorted(opt.qcfg)}
-    sd["adam4bit_extra"] = dict(seed=opt.seed, progress=opt.progress, lm_head=[
-        i for i, p in enumerate(opt._params()) if id(p) in opt._lm_head])
-    # torch.distributed.checkpoint's get_/set_optimizer_state_dict keep only "state" and
-    # "param_groups": every saved group carries both entries too, for load_state_dict
+            sd["state"][i] = _per_row(p, sd["state"][i], qcfg["block_size"])
+    sd["adam4bit"] = {k: qcfg[k] for k in sorted(qcfg)}
+    sd["adam4bit_extra"] = extra
     for g in sd["param_groups"]:
         g["adam4bit"] = dict(config=sd["adam4bit"], extra=sd["adam4bit_extra"])
     return sd
@@ -233,13 +270,13 @@ def _describe_states(state_dict):
     return f" (its per-parameter states: {', '.join(kinds)})"
 
 
-def load_state_dict(opt, state_dict):
-    """AdamW4bit.load_state_dict: checks, torch's load, then the saved tensors with their own dtypes."""
-    """Load a state_dict() of an AdamW4bit with the same preset, components and block_size;
-    packed codes and scales are restored exactly (and moved to each parameter's device).
+def check_loadable(state_dict, qcfg, params, eligible):
+    """A state_dict() of an AdamW4bit with configuration qcfg (the same preset, components and
+    block_size) whose states fit `params` (eligible: whether each may be quantized), returned as
+    (the dict with its configuration entries, the part torch's Optimizer.load_state_dict takes).
     Also takes the {"state", "param_groups"} dict of set_optimizer_state_dict
-    (torch.distributed.checkpoint): the configuration then comes from the groups.
-    Raises ValueError for a state dict of another configuration or of another optimizer."""
+    (torch.distributed.checkpoint): the configuration then comes from the groups. Raises
+    ValueError for a state dict of another configuration or of another optimizer."""
     groups = state_dict.get("param_groups", [])
     if "adam4bit" not in state_dict and groups and "adam4bit" in groups[0]:
         state_dict = dict(state_dict, adam4bit=groups[0]["adam4bit"]["config"],
@@ -249,7 +286,7 @@ def load_state_dict(opt, state_dict):
                          + _describe_states(state_dict) + ": AdamW4bit loads only its own state_dict(); to "
                          "move from that optimizer, load the model's weights and start AdamW4bit fresh")
     saved = dict(dict(param_rounding="rtn", master_weight_bits=None), **state_dict["adam4bit"])
-    mine = {k: opt.qcfg[k] for k in sorted(opt.qcfg)}
+    mine = {k: qcfg[k] for k in sorted(qcfg)}
     def same(a, b):   # codebooks may be tensors (custom levels)
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
             return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
@@ -258,12 +295,11 @@ def load_state_dict(opt, state_dict):
     if diff:
         raise ValueError("optimizer state was written with another configuration "
                          f"(saved, current): {diff}")
-    params = opt._params()
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     saved_q = [g.get("quantize", True) for g in state_dict["param_groups"] for _ in g["params"]]
-    for pid, p, q in zip(saved_ids, params, saved_q):
+    for pid, p, q, ok in zip(saved_ids, params, saved_q, eligible):
         st = state_dict["state"].get(pid, {})
-        quantized = q and opt._eligible(p)     # the saved group's policy, which load adopts
+        quantized = q and ok     # the saved group's policy, which load adopts
         if "exp_avg" in st and st["exp_avg"].numel() != (p.numel() // 2 if quantized else p.numel()):
             raise ValueError(f"optimizer state of parameter {pid} ({st['exp_avg'].numel()} exp_avg "
                              f"entries) does not fit the parameter of shape {tuple(p.shape)}")
@@ -272,96 +308,24 @@ def load_state_dict(opt, state_dict):
             raise ValueError(f"optimizer state of parameter {pid} holds a param_correction (saved "
                              f"with BF16 parameters) but the parameter is {p.dtype}; load it into "
                              "BF16 parameters, or drop the 'param_correction' entries first")
-    opt._plan_version += 1
-    torch.optim.Optimizer.load_state_dict(opt, {"state": state_dict["state"], "param_groups": [
-        {k: v for k, v in g.items() if k != "adam4bit"} for g in groups]})
-    # torch casts every state tensor to the parameter's dtype (uint8 codes too): put back the
-    # saved tensors with their own dtypes, on the parameter's device.
+    return state_dict, {"state": state_dict["state"], "param_groups": [
+        {k: v for k, v in g.items() if k != "adam4bit"} for g in groups]}
+
+
+def restore_states(state_dict, params, states, master_weight_bits):
+    """After torch's load_state_dict, which casts every state tensor to its parameter's dtype
+    (uint8 codes too): put back the saved tensors of state_dict with their own dtypes, on each
+    parameter's device, into `states` (the optimizer's)."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     for pid, p in zip(saved_ids, params):
         st = state_dict["state"].get(pid, {})
         for k, t in st.items():
             if k != "step" and torch.is_tensor(t):
                 if k in PACKED and "exp_avg_scale" in st and not is_dtensor(p):
                     t = t.reshape(-1)   # per-row codes and scales (_per_row): the step's flat layout
-                opt.state[p][k] = t.detach().to(device=p.device).clone()
-        if "step" in opt.state[p]:
-            opt.state[p]["step"] = float(opt.state[p]["step"])   # older checkpoints: a tensor
-        if opt.qcfg["master_weight_bits"] and p.dtype == torch.bfloat16 and opt.state[p] \
-                and "param_correction" not in opt.state[p]:
+                states[p][k] = t.detach().to(device=p.device).clone()
+        if "step" in states[p]:
+            states[p]["step"] = float(states[p]["step"])   # older checkpoints: a tensor
+        if master_weight_bits and p.dtype == torch.bfloat16 and states[p] and "param_correction" not in states[p]:
             # saved with FP32 parameters: eq. MW with e = 0, the master weight is the BF16 weight
-            opt.state[p]["param_correction"] = torch.zeros_like(p, dtype=torch.int8)
-    extra = state_dict.get("adam4bit_extra", {})
-    opt.seed = int(extra.get("seed", opt.seed))
-    opt.progress = float(extra.get("progress", opt.progress))
-    opt._lm_head |= {id(params[i]) for i in extra.get("lm_head", [])}
-
-
-def step_state(opt, p, group, index):
-    """The state of parameter p (number `index` from 1, in `group`) for this step: created at its
-    first step, its step counter of the optimizer's kind (a state loaded from the other kind is
-    converted), fitted to p's dtype (fit_state). Raises RuntimeError for a sparse gradient and
-    TypeError for a parameter or gradient dtype outside KERNEL_DTYPES (e.g. model.double() after
-    construction)."""
-    if p.grad.is_sparse:
-        raise RuntimeError(f"AdamW4bit does not support sparse gradients (parameter {index}, "
-                           f"shape {tuple(p.shape)}); "
-                           "use dense gradients (e.g. nn.Embedding(sparse=False))")
-    st = opt.state[p] if opt.state[p] else init_state(opt, p, group)
-    if opt.capturable != torch.is_tensor(st["step"]):   # a state loaded from the other kind
-        st["step"] = torch.tensor(float(st["step"]), device=p.device) if opt.capturable \
-            else float(st["step"])
-    if p.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"AdamW4bit: parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; "
-                        "allowed: float32, bfloat16, float16")
-    if p.grad.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"AdamW4bit: the gradient of parameter {index} (shape {tuple(p.shape)}) "
-                        f"is {p.grad.dtype}; allowed: float32, bfloat16, float16")
-    if not is_dtensor(p):
-        fit_state(opt, p, st)
-    return st
-
-
-def local_step(opt, p, st, quantized, index, writeback):
-    """FSDP2: what the step works on for DTensor parameter p (_local_step_view, its layout cached
-    per parameter): (param, state, seed index, gathered), the seed index a sr_bits.ShardIndex
-    (p's `index` with the stepped tensor's place in p); the copy back after the step is appended
-    to `writeback` (arguments of write_back)."""
-    layout = opt._shard_layouts.get(id(p))
-    if layout is None:
-        layout = opt._shard_layouts[id(p)] = _shard_layout(p, quantized, opt.qcfg["block_size"])
-    lp, local, gathered = _local_step_view(p, st, quantized, layout, opt._local_views)
-    writeback.append((p, st, lp, local, gathered, layout[2]))
-    return lp, local, ShardIndex(index, layout[1], p.numel()), gathered
-
-
-def state_nbytes(opt):
-    """AdamW4bit.state_nbytes: the bytes of every state tensor but the step counters (a DTensor's
-    local part)."""
-    local = lambda t: t.to_local() if is_dtensor(t) else t   # noqa: E731
-    return sum(local(t).numel() * t.element_size() for st in opt.state.values()
-               for k, t in st.items() if k != "step" and torch.is_tensor(t))
-
-
-# ============================================================================================
-# copy.deepcopy and pickle: torch's Optimizer keeps only defaults, state and param_groups
-
-def getstate(opt):
-    """AdamW4bit.__getstate__: torch's three entries plus everything the next steps depend on
-    (quantizer configuration, impl, capturable, seed, progress, the kernel's lookup tables) and the
-    LM-head marks as parameter positions, since a copy's parameters are other tensors. The caches
-    (launch tables, recorded plan, FSDP2 views, device buffers) are rebuilt by the copy."""
-    params = opt._params()
-    return dict(torch.optim.Optimizer.__getstate__(opt), qcfg=opt.qcfg, impl=opt.impl, capturable=opt.capturable,
-                seed=opt.seed, progress=opt.progress, _kernel_tabs=opt._kernel_tabs,
-                lm_head_positions=[i for i, p in enumerate(params) if id(p) in opt._lm_head])
-
-
-def setstate(opt, state):
-    """AdamW4bit.__setstate__: the inverse of getstate, with empty caches."""
-    state = dict(state)
-    heads = state.pop("lm_head_positions", [])
-    torch.optim.Optimizer.__setstate__(opt, state)
-    opt._kernel_cache, opt._plan, opt._plan_version, opt._checked = {}, None, 0, {}
-    opt._shard_layouts, opt._local_views, opt._device_bufs = {}, {}, {}
-    params = opt._params()
-    opt._lm_head = {id(params[i]) for i in heads}
+            states[p]["param_correction"] = torch.zeros_like(p, dtype=torch.int8)
