@@ -55,8 +55,8 @@ layer's call counter t. Both live in the int64 buffer `noise_state = [key, t]`, 
 counter advances at every training-mode forward; backward reuses the seed of its forward (saved
 in the autograd context), and activation recomputation (torch.utils.checkpoint, which re-runs the
 forward inside backward) reuses the previous seed instead of advancing. Under torch.compile the
-seed is a graph tensor, so any recomputation the compiler does uses it too. What activation
-checkpointing may and may not do with a layer: lowbit/pqt/ops.py.
+seed is saved for backward, never recomputed, also in a checkpointed region of the compiled model.
+What activation checkpointing may and may not do with a layer: lowbit/pqt/ops.py.
 
 Memory modes: "save" (paper: autograd keeps w_hat in BF16 for ∂L/∂x, +2 B/param) and "recompute"
 (w_hat rebuilt in backward from (w, b_t, seed): no extra bytes, one more generate+apply).
@@ -639,12 +639,13 @@ class GaussWSLinear(nn.Linear):
     model (`model.to(torch.bfloat16)`) also casts b_i: the first training forward then warns,
     naming the layer (`layer.b_i.data = layer.b_i.data.float()` or cast the model before
     apply_pqt fixes it). Buffer `noise_state` int64 [key, call counter] (checkpointed by
-    state_dict). The counter advances by one at every training-mode
-    forward (not at the re-run of a forward by activation checkpointing, which reuses the last
-    seed: a layer called twice in one checkpointed region, or checkpointed again before the
-    backward, raises RuntimeError in that backward); eval mode uses w itself (no noise) unless
-    `sample_in_eval` is set, in which case it samples with the current state without advancing
-    it. `reset_parameters()` initialises weight, bias, b_i and noise_state as at construction.
+    state_dict). The counter advances by one at every training-mode forward (not at the re-run of
+    a forward by activation checkpointing: compiled, the seed is saved for backward; in eager code
+    the re-run reuses the last seed, and a layer called twice in one checkpointed region, or
+    checkpointed again before the backward, raises RuntimeError in that backward); eval mode uses
+    w itself (no noise) unless `sample_in_eval` is set, in which case it samples with the current
+    state without advancing it. `reset_parameters()` initialises weight, bias, b_i and noise_state
+    as at construction.
 
     Under FSDP2 (fully_shard) weight, bias and b_i are all-gathered around each forward and
     backward, so R, w_hat and the gradients are the unsharded layer's bit for bit; noise_state, a

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 import gaussws as g
+import train
 from lowbit.pqt.baselines import _diffq_offsets
 from lowbit.pqt.checks import B_MAX, B_MIN, _SEED_CACHE, _SEED_CACHE_SIZE, seed_tensor
 from lowbit.pqt.export import fp_tier
@@ -33,7 +34,7 @@ from lowbit.pqt.tl import CONFIG
 from model import GPT, preset_config
 
 from test_all import DEV, ODD_SHAPES
-from tests.helpers import ROOT, Model, assert_same_grads, float_bits, gpt2_like, untouched
+from tests.helpers import ROOT, Model, assert_same_grads, base_args, float_bits, gpt2_like, read_log, untouched
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +244,80 @@ def test_checkpoint_recomputing_another_call_raises(pattern, memory, reentrant):
             assert "call each GaussWSLinear once" in str(e)
             return
         assert_same_grads(plain, ck, rtol=1e-5, atol=1e-6)
+
+
+def _gpt_steps(method, memory, checkpointed, compiled, steps=2):
+    """Weight and b_i gradients and noise counters after each of `steps` SGD steps of the 2-layer
+    model.GPT under PQT (impl "torch"), its blocks checkpointed or not, compiled (aot_eager) or not."""
+    torch.manual_seed(0)
+    model = GPT(preset_config("nano", vocab_size=64, block_size=16))
+    g.apply_pqt(model, method=method, memory=memory, seed=3, impl="torch")
+    model.checkpoint_blocks = checkpointed
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    batches = torch.randint(0, 64, (steps, 2, 2, 16), generator=torch.Generator().manual_seed(1))
+    seen = []
+    for idx, targets in batches:
+        model.zero_grad()
+        run(idx, targets)[1].backward()
+        seen.append({n: p.grad.clone() for n, p in model.named_parameters()}
+                    | {n: b.clone() for n, b in model.named_buffers() if n.endswith("noise_state")})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    return seen
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+@pytest.mark.parametrize("method,memory", [("gaussws", "save"), ("diffq", "recompute")])
+def test_checkpointed_blocks_train_as_plain_ones_bit_for_bit_also_compiled(method, memory, compiled):
+    """torch.utils.checkpoint around each block, eager or inside the compiled model: every weight
+    and b_i gradient and every noise counter equals the plain model's, bit for bit, for two steps
+    (compiled, the recomputation would otherwise read the counter its forward already advanced)."""
+    plain, ck = (_gpt_steps(method, memory, c, compiled) for c in (False, True))
+    for step, (a, b) in enumerate(zip(plain, ck)):
+        assert any(k.endswith("b_i") for k in a) and sum(k.endswith("noise_state") for k in a) == 8
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (step, k)
+    assert plain[-1]["blocks.1.mlp.down.noise_state"][1].item() == 2
+
+
+@pytest.mark.parametrize("pattern", ["twice_in_one_region", "two_forwards_one_backward"])
+def test_compiled_checkpoint_gives_the_plain_gradients_where_eager_code_raises(pattern):
+    """Compiled, a call's seed is saved for backward: the patterns eager code refuses (a layer
+    twice in one checkpointed region, two checkpointed forwards before one backward) give the
+    plain run's gradients and counters, bit for bit, two steps."""
+    torch.manual_seed(17)
+    plain, ck = gpt2_like(), gpt2_like()
+    ck.load_state_dict(plain.state_dict())
+    g.apply_pqt(plain, seed=4, impl="torch")
+    g.apply_pqt(ck, seed=4, impl="torch")
+    compiled = torch.compile(lambda t: _checkpoint_pattern(ck, pattern, True, False, t), backend="aot_eager")
+    x = torch.randn(2, 7, 32)
+    for _ in range(2):
+        for mdl in (plain, ck):
+            mdl.zero_grad()
+        _checkpoint_pattern(plain, pattern, False, False, x).backward()
+        compiled(x).backward()
+        for (n, p), q in zip(plain.named_parameters(), ck.parameters()):
+            assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), n
+        assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ck.buffers()))
+    assert ck.blocks[0].attn.qkv.noise_state[1].item() == 4
+
+
+def test_train_py_compiles_checkpointed_gaussws_blocks_as_the_plain_run(corpus, tmp_path, monkeypatch):
+    """train.py --activation_checkpointing --compile --method gaussws runs and logs the losses of
+    the plain eager run, bit for bit (torch.compile's aot_eager backend: Inductor on CPU takes
+    minutes)."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile_(model, backend="aot_eager"))
+    logs = []
+    for flags in (["--no-compile"], ["--compile", "--activation_checkpointing"]):
+        out = tmp_path / flags[-1].strip("-")
+        train.main(base_args(corpus, out, "--method", "gaussws", "--max_iters", "2", "--eval_interval", "2", *flags))
+        logs.append([(r["type"], r.get("loss"), r.get("val_loss"), r.get("bits")) for r in read_log(out)
+                     if r["type"] in ("step", "eval")])
+    assert len(logs[0]) == 4 and logs[0] == logs[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,6 +623,27 @@ def test_compile_inductor_matches_eager():
         mdl(x).square().sum().backward()
     assert_same_grads(eager, comp, rtol=1e-4, atol=1e-5)
     assert comp.blocks[0].attn.qkv.noise_state[1].item() == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and __import__("shutil").which("g++") is None,
+                    reason="Inductor on CPU needs a C++ compiler")
+def test_compile_inductor_checkpointed_layer_matches_eager():
+    """A PQT layer under torch.utils.checkpoint inside a function Inductor compiles: its gradients
+    equal eager's for two steps. The recomputation must take the seed the forward saved, not read
+    the counter again (Inductor drops a clone of the counter as a no-op: the seed is no clone)."""
+    torch.manual_seed(15)
+    eager = g.GaussWSLinear(45, 70, seed=2, impl="torch").to(DEV)
+    comp = g.GaussWSLinear(45, 70, seed=2, impl="torch").to(DEV)
+    comp.load_state_dict(eager.state_dict())
+    step = torch.compile(lambda t: checkpoint.checkpoint(comp, t, use_reentrant=False).square().sum())
+    x = torch.randn(4, 45, device=DEV)
+    for _ in range(2):
+        for layer in (eager, comp):
+            layer.zero_grad()
+        eager(x).square().sum().backward()
+        step(x).backward()
+        assert_same_grads(eager, comp, rtol=1e-4, atol=1e-5)
+    assert comp.noise_state[1].item() == 2
 
 
 def test_eager_layer_skips_op_dispatch(monkeypatch):

@@ -216,7 +216,6 @@ def test_bad_v_flags_give_one_line_errors(argv, msg, capsys, tmp_path):
     (["--step_in_backward"], ["--grad_clip 1", "add --grad_clip 0"]),
     (["--step_in_backward", "--grad_clip", "0", "--grad_accum", "2"], ["--grad_accum 2", "--grad_accum 1"]),
     (["--step_in_backward", "--grad_clip", "0", "--optim", "zipsr", "--capturable"], ["--capturable"]),
-    (["--activation_checkpointing", "--compile", "--method", "gaussws"], ["--compile", "--no-compile"]),
 ])
 def test_memory_flags_refuse_what_they_cannot_do(flags, words, capsys):
     assert_one_line_flag_error(flags, words, capsys)

@@ -333,8 +333,7 @@ def say_ignored_flags(args, parser):
 
 
 def check_memory_flags(parser, args):
-    """parser.error (one line) for --step_in_backward with what needs every gradient at once, and
-    --activation_checkpointing where its recomputation would draw other noise."""
+    """parser.error (one line) for --step_in_backward with what needs every gradient at once."""
     if args.step_in_backward:
         refusals = [   # (what is set, why it cannot be, in the order a user meets them)
             (args.grad_clip > 0, f"--grad_clip {args.grad_clip:g}: clipping by the global norm needs every "
@@ -347,9 +346,6 @@ def check_memory_flags(parser, args):
         why = next((why for bad, why in refusals if bad), None)
         if why:
             parser.error(f"--step_in_backward with {why}")
-    if args.activation_checkpointing and args.compile and args.method != "bf16":
-        parser.error(f"--activation_checkpointing with --compile and --method {args.method}: the compiled "
-                     f"recomputation would draw the next noise seed, not the forward's; add --no-compile")
 
 
 def check_fsdp_flags(parser, args):

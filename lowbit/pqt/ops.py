@@ -8,23 +8,30 @@ Eager code runs gaussws.py's plain functions through an autograd.Function (an op
 dispatch per layer and step); under torch.compile the ops let Inductor launch the Triton kernels
 from its own generated code. Nothing here computes R, w_hat or a gradient.
 
-Activation checkpointing (torch.utils.checkpoint re-runs a forward inside the backward; the
-recomputation reuses the layer's last seed, right for one call only). Not supported (wrong
-gradients, not detected): torch.utils.checkpoint inside a compiled region (its recomputation draws
-the next seed), and with use_reentrant=True a layer called once inside a checkpointed region and
-again outside it before the backward. Not supported and detected (RuntimeError naming the layer,
-in backward): a layer called more than once inside one checkpointed region, and two checkpointed
-forwards before one backward. Each eager call tags its seed: with use_reentrant=False the backward
-compares its call's tag with the tag of the seed the recomputation saved; with use_reentrant=True,
-which recomputes each region once per backward, a second recomputation of a layer in one backward
-raises.
+Activation checkpointing (torch.utils.checkpoint re-runs a forward inside the backward). Compiled
+(the checkpoint inside the compiled function, as a compiled model.GPT with checkpoint_blocks): a
+call's seed is saved for backward, never recomputed (`layer_seed`), so the gradients are those of
+the run without checkpointing, bit for bit, however often a region calls a layer. Eager: the
+recomputation reuses the layer's last seed, right for one call only. Not supported (wrong
+gradients, not detected): with use_reentrant=True a layer called once inside a checkpointed region
+and again outside it before the backward; an eager checkpoint around a function compiled on its
+own (`block.compile()`): its recomputation re-runs the compiled forward, which draws the next seed.
+Not supported and detected (RuntimeError naming the layer, in backward): in eager code, a layer
+called more than once inside one checkpointed region, and two checkpointed forwards before one
+backward. Each eager call tags its seed: with use_reentrant=False the backward compares its call's
+tag with the tag of the seed the recomputation saved; with use_reentrant=True, which recomputes
+each region once per backward, a second recomputation of a layer in one backward raises.
 """
+import logging
+import sys
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 
 def kernel_launcher(kernel):
@@ -140,9 +147,10 @@ def _next_seed_impl(state: torch.Tensor) -> torch.Tensor:
     """Returns a copy of state = [key, t] and advances t in place, in one op (one kernel on
     CUDA). One op on purpose: with `state.clone(); state[1] += 1` as separate ops in the model,
     Inductor may let the saved seed alias the buffer it then mutates, and the backward would
-    regenerate R with t + 1."""
+    regenerate R with t + 1. The copy is a new tensor on CPU too, not a clone: Inductor drops a
+    clone as a no-op, and a region recomputed in backward would then read the advanced buffer."""
     if not state.is_cuda:
-        seed = state.clone()
+        seed = torch.stack((state[0], state[1]))
         state[1] += 1
         return seed
     seed = torch.empty_like(state)
@@ -153,11 +161,33 @@ def _next_seed_impl(state: torch.Tensor) -> torch.Tensor:
 _next_seed_op = triton_op("gaussws::next_seed", mutates_args=("state",))(_next_seed_impl)
 
 
+def _seed_saved():
+    """Selective-checkpoint contexts that save every value of their region for backward: the
+    context_fn of a compiled call's seed (`layer_seed`)."""
+    return create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_SAVE)
+
+
+class _SeedRegionWarning(logging.Filter):
+    """torch.compile warns (once) that a region with a checkpoint context_fn should hold no in-place
+    op; the seed's region holds one on purpose, the counter's advance, saved whole: drop the warning
+    when the region is the seed's, keep it for any other."""
+
+    def filter(self, record):
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_name != "tag_activation_checkpoint_impl":
+            f = f.f_back
+        return f is None or f.f_locals.get("context_fn") is not _seed_saved
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_SeedRegionWarning())
+
+
 def layer_seed(layer):
     """The seed [key, t] of a GaussWSLinear call (`GaussWSLinear._next_seed`): in eval mode the
     current state, unchanged; in a training forward the state before advancing t; inside a
     backward (torch.utils.checkpoint re-running the forward) the last call's seed again, tagged so
-    the backward can check it is its own call's."""
+    the backward can check it is its own call's. Compiled, a training call's seed is saved for
+    backward, so a checkpointed region's recomputation never draws one."""
     if not layer.training:
         return layer.noise_state.clone()
     if _in_backward_pass():      # activation recomputation of the last call: same seed
@@ -175,6 +205,13 @@ def layer_seed(layer):
         seed._gaussws_call = layer._last_call   # backward checks it is its call's
         return seed
     if torch.compiler.is_compiling():
+        if torch.is_grad_enabled():
+            # saved for backward, never recomputed: torch.compile's recomputation of a checkpointed
+            # region runs in the backward graph, where the counter holds what the forward wrote
+            # back (t + 1); inside the block's region this nested policy wins (the innermost
+            # region tags the ops last)
+            return torch.utils.checkpoint.checkpoint(torch.ops.gaussws.next_seed, layer.noise_state,
+                                                     use_reentrant=False, context_fn=_seed_saved)
         return torch.ops.gaussws.next_seed(layer.noise_state)
     seed = _next_seed_impl(layer.noise_state)   # eager: no op dispatch (see PQNSample)
     seed._gaussws_call = layer._last_call = (layer._name, layer._calls)
