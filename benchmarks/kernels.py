@@ -86,7 +86,7 @@ def _bf16_param_optimizers():
 
 def bench_optim(quick=False):
     """Optimizer step time on GPT-2-124M shapes and on one flat 1B tensor (paper B storage)."""
-    import train as trainer
+    from trainer.memory import optimizer_state_bytes
     bw = copy_bandwidth()
     rows = []
     f32, bf16 = torch.float32, torch.bfloat16
@@ -115,7 +115,7 @@ def bench_optim(quick=False):
             except Exception as e:
                 print(f"  {case} {name}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            state = trainer.optimizer_state_bytes(opt)
+            state = optimizer_state_bytes(opt)
             if name == "torch AdamW fused":
                 base = ms
             # bytes moved: param r+w, grad read, state r+w
