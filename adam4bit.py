@@ -348,6 +348,8 @@ class AdamW4bit(torch.optim.Optimizer):
         self._plan = StepPlan(self.capturable)    # step()'s recorded plan and what voids it
         self._shards = optim_state.LocalShards()  # FSDP2 parameters' shard layouts and local views
         self._checked = {}         # group index -> optim_args.hparams_key at its last check
+        self._positions = (None, {})   # step_param: the groups' layout, id(param) -> its place
+        self._param_launches = {}  # step_param: id(param) -> (what its launch assumes, launch.Launch)
 
     def add_param_group(self, param_group):
         """torch's add_param_group, then the group's checks (optim_args.check_new_group: its
@@ -499,29 +501,17 @@ class AdamW4bit(torch.optim.Optimizer):
                 index += 1
                 if p.grad is None:
                     continue
-                optim_state.check_grad(p, index)
-                st = self.state[p] if self.state[p] else self._init_state(p, group)
-                optim_state.fit_state(p, st, index, self.capturable, cfg["master_weight_bits"])
-                st["step"] += 1
+                st, path, (p, st_p, t, sidx, m_rule), gathered = self._param_path(p, group, index, writeback, interp)
                 states.append(st)
-                t, sidx = int(st["step"]), index
-                quantized, m_rule = self.is_quantized(p, group), self.m_rounding_for(p)
-                if optim_state.is_dtensor(p):   # FSDP2: step this rank's shard (or the gathered tensor)
-                    p, st, sidx, gathered = self._shards.step_view(p, st, quantized, index, cfg["block_size"],
-                                                                   writeback)
-                    cacheable = cacheable and not gathered   # a gathered tensor is new each step
-                    if p.numel() == 0:   # fewer rows than ranks: nothing here
-                        continue
-                if not quantized and optim_args.use_adamw_kernel(p, self.impl, interp):   # 16-bit, FP32 states
-                    small.setdefault((t, p.dtype, p.grad.dtype, "param_correction" in st), []).append((p, st, sidx))
-                elif not quantized:
-                    fp32.append((p, st, t, sidx))
-                elif optim_args.use_triton(p, self.impl, interp, self._kernel_tabs):
-                    quant.setdefault((t, p.dtype, p.grad.dtype, m_rule), []).append((p, st, sidx))
-                else:
-                    cacheable = False
-                    adamw4bit_step_torch(p, p.grad, st, *hp, t, cfg, m_rule, sr_seed_of(self.seed, t, sidx),
-                                         span=shard_span(sidx))
+                cacheable = cacheable and not gathered   # a gathered tensor is new each step
+                if path == "small":
+                    small.setdefault((t, p.dtype, p.grad.dtype, "param_correction" in st_p), []).append((p, st_p, sidx))
+                elif self._step_now(path, p, st_p, t, sidx, m_rule, hp):
+                    cacheable = False     # not in the plan: a later step cannot replay it
+                elif path == "fp32":
+                    fp32.append((p, st_p, t, sidx))
+                elif path == "kernel":
+                    quant.setdefault((t, p.dtype, p.grad.dtype, m_rule), []).append((p, st_p, sidx))
             launches = [(t, _triton_prepare(items, cfg, m_rule, self._kernel_tabs, self._kernel_cache,
                                             own_table=cacheable), items)
                         for (t, _, _, m_rule), items in quant.items()]
@@ -531,6 +521,109 @@ class AdamW4bit(torch.optim.Optimizer):
         for args in writeback:
             optim_state.write_back(*args)
         return cacheable
+
+    def _param_path(self, p, group, index, writeback, interp):
+        # Parameter number `index` (from 1: its SR seed index) of `group`, with a gradient, at this
+        # step: its state (created at its first step, fitted to p, its counter advanced) and where
+        # it steps. Returns (state, path, (tensor, its state, t, seed index, m's rule), gathered);
+        # path "small" (FP32 states, 16-bit parameter: adamw_fp32_kernel), "fp32" (FP32 states:
+        # fp32.py's loop or torch's fused AdamW), "kernel" (adamw4bit_kernel), "reference"
+        # (adamw4bit_step_torch) or None (an FSDP2 shard with no rows here). An FSDP2 parameter
+        # steps as its shard or gathered tensor (LocalShards.step_view: the copy back goes to
+        # writeback), plain ones as themselves.
+        cfg = self.qcfg
+        optim_state.check_grad(p, index)
+        st = self.state[p] if self.state[p] else self._init_state(p, group)
+        optim_state.fit_state(p, st, index, self.capturable, cfg["master_weight_bits"])
+        st["step"] += 1
+        t, sidx, st_p, gathered, empty = int(st["step"]), index, st, False, False
+        quantized, m_rule = self.is_quantized(p, group), self.m_rounding_for(p)
+        if optim_state.is_dtensor(p):   # FSDP2: step this rank's shard (or the gathered tensor)
+            p, st_p, sidx, gathered = self._shards.step_view(p, st, quantized, index, cfg["block_size"], writeback)
+            empty = p.numel() == 0      # fewer rows than ranks: nothing here
+        if empty:
+            path = None
+        elif not quantized:
+            path = "small" if optim_args.use_adamw_kernel(p, self.impl, interp) else "fp32"
+        else:
+            path = "kernel" if optim_args.use_triton(p, self.impl, interp, self._kernel_tabs) else "reference"
+        return st, path, (p, st_p, t, sidx, m_rule), gathered
+
+    def _step_now(self, path, p, st, t, sidx, m_rule, hp):
+        # The steps that run at once, outside the recorded plan: the reference 4-bit step. Returns
+        # whether p's step ran here.
+        if path != "reference":
+            return False
+        adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule, sr_seed_of(self.seed, t, sidx),
+                             span=shard_span(sidx))
+        return True
+
+    @torch.no_grad()
+    def step_param(self, p):
+        """Step one parameter as the next step() would, bit for bit: its group's hyperparameters,
+        its own step count and SR seed, the LM head's first-moment rule. The host work does not
+        grow with the number of parameters (lowbit.step_in_backward calls it from each
+        gradient's hook). Does nothing while p.grad is None. ValueError for a tensor that is not
+        a parameter of this optimizer, or with capturable=True (its step runs for all at once)."""
+        if p.grad is None:
+            return
+        if self.capturable:
+            raise ValueError("step_param: capturable=True steps every parameter at once in step(); "
+                             "use capturable=False")
+        gi, index = self._position(p)
+        group, writeback = self.param_groups[gi], []
+        if self._checked.get(gi) != optim_args.hparams_key(group):
+            self._checked[gi] = optim_args.check_group(gi, group, self.capturable, lr_value=False)
+        hp, rule = hparams(group), self.qcfg["param_rounding"]
+        self._plan.invalidate()     # the step counters move outside the recorded plan
+        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        grad = p.grad.to_local() if optim_state.is_dtensor(p.grad) else p.grad
+        flip = bool(group.get("maximize"))
+        if flip:
+            grad.neg_()    # maximize=True (torch's flag): the step of -grad
+        try:
+            st, path, (q, st_q, t, sidx, m_rule), _ = self._param_path(p, group, index, writeback, interp)
+            if path is not None and not self._step_now(path, q, st_q, t, sidx, m_rule, hp):
+                # the ordinary step's code for a group of this one tensor, recorded in a plan not kept
+                fp32 = [(q, st_q, t, sidx)] if path == "fp32" else []
+                launches = [] if fp32 else [(t, self._param_launch(path, q, st_q, sidx, m_rule), [(q, st_q, sidx)])]
+                self._plan.run_group(dict(states=[], groups=[]), gi, dict(group, params=[q]), hp, [st], fp32,
+                                     launches, self.seed, rule)
+        finally:
+            if flip:
+                grad.neg_()
+        for args in writeback:
+            optim_state.write_back(*args)
+            args[2].grad = None    # FSDP2: no reference to its gradient outlives the step
+
+    def _position(self, p):
+        # (group index, index from 1) of parameter p, from a map rebuilt when the groups change
+        key = tuple((id(g), len(g["params"])) for g in self.param_groups)
+        if self._positions[0] != key:
+            where = [(gi, j) for gi, g in enumerate(self.param_groups) for j in range(len(g["params"]))]
+            self._positions = (key, {id(self.param_groups[gi]["params"][j]): (gi, j, i + 1)
+                                     for i, (gi, j) in enumerate(where)})
+        gi, j, index = self._positions[1].get(id(p), (0, -1, 0))
+        if j < 0 or self.param_groups[gi]["params"][j] is not p:
+            raise ValueError(f"step_param: the tensor of shape {tuple(p.shape)} is not a parameter of this "
+                             "optimizer")
+        return gi, index
+
+    def _param_launch(self, path, p, st, sidx, m_rule):
+        # step_param's kernel launch of one tensor, kept per parameter (launch.prepare's shared
+        # cache keeps 64 launch tables) and repointed when only its gradient moved
+        key = (path, m_rule, p.data_ptr(), p.dtype, p.grad.dtype, int(sidx), shard_offset(sidx),
+               tuple(v.data_ptr() for v in st.values() if torch.is_tensor(v)))
+        kept = self._param_launches.get(id(p))
+        if kept is None or kept[0] != key:
+            items = [(p, st, sidx)]
+            launch = (_triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache, own_table=True)
+                      if path == "kernel" else
+                      adamw_prepare(items, self.qcfg["param_rounding"], self._kernel_cache, own_table=True))
+            kept = self._param_launches[id(p)] = (key, launch)
+        elif kept[1].grads[0] != p.grad.data_ptr():
+            kept[1].regrad([p.grad])
+        return kept[1]
 
 
 # ============================================================================================

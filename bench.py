@@ -6,6 +6,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py                 # optim, noise, memory, train
     python bench.py --only optim    # 4-bit AdamW step (paper B) vs torch AdamW, bandwidth floor
     python bench.py --only host     # CPU: the 4-bit step's Python work per call (no GPU needed)
+    python bench.py --only in_backward   # CPU: the step inside backward vs the ordinary step, 579 tensors
     python bench.py --only noise    # GaussWS noise kernels (paper A, Figure 6)
     python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
     python bench.py --only capacity # the largest 7B-width Llama one GPU trains, per setup
@@ -21,8 +22,9 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py --only fsdp --train_args "--batch_size 32 --grad_accum 1"   # other train.py flags
 
 The sections live in benchmarks/: kernels.py (optim, host, noise), training.py (train, memory, ddp,
-fsdp), capacity.py, multigpu.py, and the timing helpers and the JSON writer in util.py. bench.py
-measures speed only; the papers' quality runs and the figures are the reproduction harness's:
+fsdp), capacity.py, multigpu.py, in_backward.py, and the timing helpers and the JSON writer in
+util.py. bench.py measures speed only; the papers' quality runs and the figures are the
+reproduction harness's:
 
     python -m experiments quality --dataset D --preset small    # the papers' loss comparisons
     python -m experiments plots                                 # a PNG beside every results/*.json
@@ -38,6 +40,7 @@ import sys
 import torch
 
 import gaussws as g
+from benchmarks.in_backward import bench_in_backward
 from benchmarks.kernels import bench_host, bench_noise, bench_optim
 from benchmarks.multigpu import CASES as MULTIGPU_CASES, bench_multigpu
 from benchmarks.training import FSDP_WARMUP, TABLE1, bench_ddp, bench_fsdp, bench_memory, bench_train, bench_train_gpt2
@@ -50,8 +53,8 @@ from trainer.flags import COMPILE_MODES, METHODS, OPTIMS, OneLineParser
 
 def build_parser():
     ap = OneLineParser(prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["optim", "host", "noise", "train", "memory", "capacity", "ddp", "multigpu",
-                                       "fsdp"],
+    ap.add_argument("--only", choices=["optim", "host", "in_backward", "noise", "train", "memory", "capacity", "ddp",
+                                       "multigpu", "fsdp"],
                     default=None, help="run one section (default: optim, noise, memory and train)")
     ap.add_argument("--dataset", default="stdlib", help="--only ddp/multigpu/fsdp: train.py's --dataset")
     ap.add_argument("--iters", type=int, default=None,
@@ -163,6 +166,9 @@ def main(argv=None):
     say_unread_flags(ap, args)
     if args.only == "host":   # CPU only: the step's Python work, the GPU launches stubbed out
         save("host", bench_host())
+        return
+    if args.only == "in_backward":   # CPU: the host work of stepping each tensor from its gradient's hook
+        save("in_backward", bench_in_backward())
         return
     if not torch.cuda.is_available():
         raise SystemExit(f"bench.py {'--only ' + args.only if args.only else '(all sections)'} needs a CUDA "

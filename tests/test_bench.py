@@ -141,6 +141,21 @@ def test_bench_compile_blocks_compiles_each_block_and_nothing_else():
                and not any(m is s for b in model.blocks for s in b.modules()))
 
 
+def test_in_backward_section_runs_on_cpu(monkeypatch, tmp_path, capsys):
+    """bench.py --only in_backward on CPU (2 layers here instead of 96): one table row and one JSON
+    row per optimizer, with the same weights both ways."""
+    from benchmarks import in_backward
+    monkeypatch.setitem(in_backward.CONFIG, "n_layer", 2)
+    monkeypatch.chdir(tmp_path)
+    bench.main(["--only", "in_backward"])
+    (path,) = (tmp_path / "results").glob("cpu_*_in_backward.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["optimizer"] for r in rows] == list(in_backward.OPTIMIZERS)
+    assert all(r["same_weights"] and r["n_tensors"] == 2 * 6 + 3 and r["ratio"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert all(name in out for name in in_backward.OPTIMIZERS) and "in backward ms" in out
+
+
 def test_bench_names_flags_the_chosen_sections_do_not_read(capsys):
     ap = bench.build_parser()
     for argv, note in ((["--only", "host", "--pairs", "3", "--quick"], "not read by --only host: --quick, --pairs"),
