@@ -70,7 +70,7 @@ from codebooks import get_codebook
 from lowbit.numerics import adam_denominator, f32, midpoints, sqrt_rn
 from lowbit.optim import args as optim_args
 from lowbit.optim import state as optim_state
-from lowbit.optim.fp32 import adamw_prepare
+from lowbit.optim.fp32 import adamw_prepare, adamw_step_torch
 from lowbit.optim.launch import (DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EXP_AVG_SCALE, TAB_EXP_AVG_SQ,
                                  TAB_EXP_AVG_SQ_SCALE, TAB_FIRST_PROGRAM, TAB_GRAD, TAB_N_BLOCKS, TAB_OFFSET,
                                  TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH, device_scalars,
@@ -79,7 +79,8 @@ from lowbit.optim.lut import build_kernel_tables, on_device, unpair
 from lowbit.optim.param_write import (read_param, tl_join_master, tl_load_pairs, tl_masked_load, tl_store_pairs,
                                       write_step)
 from lowbit.optim.plan import StepPlan, hparams
-from lowbit.optim.sr_bits import shard_offset, shard_span, span_uniforms, sr_seed_of, tile_uniforms, tl_sr_seed
+from lowbit.optim.sr_bits import (element_uniforms, kernel_uniforms, shard_offset, shard_span, span_uniforms,
+                                  sr_seed_of, tile_uniforms, tl_sr_seed)
 
 
 # ============================================================================================
@@ -205,7 +206,8 @@ def dequantize_blockwise(packed, scales, codebook, block_size=128):
 # ============================================================================================
 # The reference step (plain PyTorch): eq. 2.1a-b, then Def. 3 / App. A.2 / eq. 3.2 storage
 
-def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed, u=None, span=None):
+def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_rounding, seed, u=None, span=None,
+                         kernel_bits=False):
     """One AdamW step of one 4-bit-state tensor in plain PyTorch (paper B, Sec. 2.1: eq. 2.1a-b,
     storage by Def. 3 / App. A.2, EDEN eq. 3.2): the specification adamw4bit_step_triton matches
     bit for bit. Runs under torch.no_grad() (AdamW4bit.step's).
@@ -223,6 +225,8 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
     seed:   seeds the generator of the SR uniforms (m's first, then v's, then the BF16 write's);
             u: optional tuple of float32 tensors (u_m, u_v[, u_p]), numel each, replacing them
             (kernel tests); span: an FSDP2 shard's (offset, whole numel), sr_bits.span_uniforms.
+    kernel_bits: draw the uniforms adamw4bit_kernel draws from `seed` (sr_bits.kernel_uniforms)
+            instead of torch.rand, so the step equals the kernel's bit for bit with SR too.
     Raises ValueError (from quantize_blockwise) on sizes or uniforms that do not fit.
     """
     B = cfg["block_size"]
@@ -243,6 +247,11 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
     gen = torch.Generator(device=param.device).manual_seed(seed)
     u_m, u_v, u_p = (tuple(u) + (None,))[:3] if u is not None else (None, None, None)
     v_coord, v_rule = cfg["v_rounding"].split("-")
+    if kernel_bits and u is None:    # the kernel's streams: 1 m, 0 v, 2 the BF16 write
+        p_sr = param.dtype == torch.bfloat16 and corr is None and cfg.get("param_rounding") == "sr"
+        tile = max(1, KERNEL_ELEMS // B) * B // 2
+        u_m, u_v, u_p = (kernel_uniforms(seed, param.numel(), stream, tile, param.device, span) if sr else None
+                         for stream, sr in ((1, m_rounding == "sr"), (0, v_rule == "sr"), (2, p_sr)))
     state["exp_avg"], state["exp_avg_scale"] = quantize_blockwise(
         m, cfg["m_codebook"], B, m_rounding, "state", u=u_m, generator=gen, span=span)
     state["exp_avg_sq"], state["exp_avg_sq_scale"] = quantize_blockwise(
@@ -276,8 +285,11 @@ class AdamW4bit(torch.optim.Optimizer):
                   betas, eps, weight_decay, quantize). A group with quantize=False keeps FP32
                   states for all its tensors (e.g. embeddings and the LM head, as bitsandbytes'
                   GlobalOptimManager does); saved in state_dict(), so a resumed run keeps it.
-    lr:           float or 0-d tensor (works with torch.optim.lr_scheduler).
-    betas, eps, weight_decay: AdamW's; weight decay is decoupled: w <- (1 - lr wd) w.
+    lr, betas, eps, weight_decay: AdamW's, with torch.optim.AdamW's defaults (1e-3, (0.9, 0.999),
+                  1e-8, 0.01); paper B trains with betas=(0.9, 0.95), weight_decay=0.1 (Appendix B),
+                  which train.py and the examples pass. Each a real number (NumPy scalars too, as a
+                  LambdaLR may write) or a one-element tensor (lr: torch.optim.lr_scheduler's);
+                  weight decay is decoupled: w <- (1 - lr wd) w.
     preset:       "fp32", "torchao", "zeeden" or "zipsr" (module docstring; paper B Table 2).
     Component overrides (each row of paper B Table 3 is one call), None keeps the preset's:
       m_codebook, v_codebook: codebook names (codebooks.CODEBOOKS);
@@ -305,27 +317,41 @@ class AdamW4bit(torch.optim.Optimizer):
                   what a capture needs). Not with FSDP2 (DTensor) parameters; betas up to
                   ~0.99999. Same results as False (bit for bit on the kernels; torch's fused
                   AdamW of FP32-state FP32 tensors takes lr as float32).
+    kernel_uniforms: False, or True: the reference step (impl="torch", and "auto" off CUDA) draws
+                  the SR uniforms the kernels draw (Philox4x32-7 in PyTorch, sr_bits.kernel_uniforms)
+                  instead of torch.rand, so impl="torch" equals impl="triton" bit for bit with SR
+                  too (ZIP-SR's v, the LM head's m, param_rounding="sr"; RTN presets are equal
+                  either way). Slower: for checking the kernel.
+    torch.optim.AdamW's other keywords are accepted at torch's defaults: amsgrad=False,
+                  foreach=None/False, fused=None/False, differentiable=False; maximize (also per
+                  param group) False, or True: the step of -grad, as torch's. Another value is a
+                  one-line ValueError naming it.
 
     State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise;
     with master_weight_bits=24 also param_correction (int8, the parameter's shape; BF16 ones).
-    state["step"] is a Python float (a float32 device tensor with capturable=True). FSDP2
+    state["step"] is a 0-d float32 CPU tensor (on the parameter's device with capturable=True), as
+    torch's AdamW keeps it, so DCP loads it in place; state dicts with Python-float steps load. FSDP2
     (fully_shard) parameters: lowbit/optim/state.py. NaN and Inf gradients: module docstring.
     Raises ValueError/TypeError for bad hyperparameters (also in param groups), unknown names, non-float
     parameters and mismatched state dicts; RuntimeError (as torch's AdamW) for sparse gradients.
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  preset="zipsr", block_size=128, impl="auto", seed=0, *, m_codebook=None,
                  m_rounding=None, v_codebook=None, v_rounding=None, eden=None,
                  lm_head_sr_after="preset", param_rounding="rtn", master_weight_bits=None,
-                 capturable=False):
+                 capturable=False, kernel_uniforms=False, amsgrad=False, maximize=False, foreach=None,
+                 fused=None, differentiable=False):
         optim_args.check_init_args(PRESETS, lr, betas, eps, weight_decay, preset, block_size, impl, seed,
-                                   param_rounding, master_weight_bits, capturable)
+                                   param_rounding, master_weight_bits, capturable, kernel_uniforms,
+                                   dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, fused=fused,
+                                        differentiable=differentiable))
         self.qcfg = cfg = optim_args.quantizer_config(PRESETS, get_codebook, preset, block_size, m_codebook,
                                                       m_rounding, v_codebook, v_rounding, eden, lm_head_sr_after)
         cfg.update(param_rounding=param_rounding, master_weight_bits=master_weight_bits)
         self.impl, self.capturable, self.seed, self.progress = impl, capturable, int(seed), 0.0
+        self.kernel_uniforms = kernel_uniforms
         # the kernel's lookup tables (CPU; copied to each device at its first step). Their buckets
         # need levels >= ~0.004 apart (bucket_lut); None: impl="torch", FP32 states, or a codebook
         # too dense for them under impl="auto" (the reference path)
@@ -340,7 +366,7 @@ class AdamW4bit(torch.optim.Optimizer):
         self._lm_head = set()      # id() of the parameters mark_lm_head() marked
         self._new_caches()
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      quantize=True))
+                                      quantize=True, maximize=maximize))
 
     def _new_caches(self):
         # what the next steps rebuild when missing (a new optimizer, a copy, a loaded state dict)
@@ -430,37 +456,68 @@ class AdamW4bit(torch.optim.Optimizer):
         heads = [i for i, p in enumerate(self._params()) if id(p) in self._lm_head]
         return dict(super().__getstate__(), qcfg=self.qcfg, impl=self.impl, capturable=self.capturable,
                     seed=self.seed, progress=self.progress, _kernel_tabs=self._kernel_tabs,
-                    lm_head_positions=heads)
+                    kernel_uniforms=self.kernel_uniforms, lm_head_positions=heads)
 
     def __setstate__(self, state):   # also torch's load_state_dict, with its two entries only
         state = dict(state)
         heads = state.pop("lm_head_positions", [])
         super().__setstate__(state)
+        self.__dict__.setdefault("kernel_uniforms", False)
+        # a group saved before one of its keys existed (quantize, maximize, ...) takes the default,
+        # as torch's optimizers fill theirs ("differentiable": torch's __setstate__ adds it to the
+        # defaults for its own use, the groups do not carry it)
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                if k != "differentiable":
+                    group.setdefault(k, v)
         self._new_caches()
         params = self._params()
         self._lm_head = {id(params[i]) for i in heads}
 
     def state_dict(self):
         """torch's state dict plus the quantizer configuration, seed, progress and LM-head marks;
-        codes and scales per row where rows are whole blocks (FSDP2's layout, views)."""
+        codes and scales per row where rows are whole blocks (FSDP2's layout, views). The
+        register_state_dict_post_hook hooks get this dict, as torch's get theirs."""
         params = self._params()
+        post, self._optimizer_state_dict_post_hooks = self._optimizer_state_dict_post_hooks, {}
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post
         extra = dict(seed=self.seed, progress=self.progress,
                      lm_head=[i for i, p in enumerate(params) if id(p) in self._lm_head])
-        return optim_state.with_config(super().state_dict(), params, self.qcfg, extra)
+        sd = optim_state.with_config(sd, params, self.qcfg, extra)
+        for hook in post.values():
+            result = hook(self, sd)
+            sd = sd if result is None else result
+        return sd
 
     def load_state_dict(self, state_dict):
         """Load a state_dict() of an AdamW4bit with the same configuration, codes and scales
         exactly, on each parameter's device; also set_optimizer_state_dict's {"state",
-        "param_groups"} (DCP). ValueError for another configuration or optimizer."""
+        "param_groups"} (DCP). ValueError for another configuration or optimizer. As torch's, the
+        register_load_state_dict_pre_hook hooks get the state dict as given (and may change or
+        replace it), the post hooks the loaded optimizer."""
+        pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        state_dict = state_dict.copy()
+        for hook in pre.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         params = self._params()
         state_dict, torch_part = optim_state.check_loadable(state_dict, self.qcfg, params,
                                                             [self._eligible(p) for p in params])
         self._plan.invalidate()
-        super().load_state_dict(torch_part)
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+        try:
+            super().load_state_dict(torch_part)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
         optim_state.restore_states(state_dict, params, self.state, self.qcfg["master_weight_bits"])
         extra = state_dict.get("adam4bit_extra", {})
         self.seed, self.progress = int(extra.get("seed", self.seed)), float(extra.get("progress", self.progress))
         self._lm_head |= {id(params[i]) for i in extra.get("lm_head", [])}
+        for hook in post.values():
+            hook(self)
 
     # ---- step ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -479,13 +536,34 @@ class AdamW4bit(torch.optim.Optimizer):
                 self._checked[gi] = optim_args.check_group(gi, group, self.capturable, lr_value=False)
         capturing = self.capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         params = self._params()
-        params, grads = self._shards.local_params(params, [p.grad for p in params])
-        record = self._plan.replay_or_record(self.param_groups, (id(self.state), self.impl, self._lm_head_sr()),
-                                             params, grads, self.seed, self.qcfg["param_rounding"], capturing)
-        if record is not None and self._build_and_run(record):   # nothing replayed: run and record
-            self._plan.keep(record)
+        flipped = self._maximized_grads()
+        if flipped:
+            torch._foreach_neg_(flipped)   # maximize=True: the step of -grad, every path alike
+        try:
+            params, grads = self._shards.local_params(params, [p.grad for p in params])
+            record = self._plan.replay_or_record(self.param_groups, (id(self.state), self.impl, self._lm_head_sr()),
+                                                 params, grads, self.seed, self.qcfg["param_rounding"], capturing)
+            if record is not None and self._build_and_run(record):   # nothing replayed: run and record
+                self._plan.keep(record)
+        finally:
+            if flipped:
+                torch._foreach_neg_(flipped)   # the gradients as they were (negation is exact)
         self._shards.drop_grads()
         return loss
+
+    def _maximized_grads(self):
+        # the gradients of the maximize=True groups' parameters (local tensors, each once), which
+        # step() negates in place around the step: no copy, and the kernels, the reference and a
+        # recorded plan all step -grad, as torch's AdamW(maximize=True)
+        grads, seen = [], set()
+        for group in self.param_groups:
+            if group.get("maximize"):
+                for p in group["params"]:
+                    g = p.grad
+                    if g is not None and id(g) not in seen:
+                        seen.add(id(g))
+                        grads.append(g.to_local() if optim_state.is_dtensor(g) else g)
+        return grads
 
     def _build_and_run(self, record):
         # Every parameter with a gradient: its state for this step, then its path (kernel or
@@ -550,12 +628,19 @@ class AdamW4bit(torch.optim.Optimizer):
         return st, path, (p, st_p, t, sidx, m_rule), gathered
 
     def _step_now(self, path, p, st, t, sidx, m_rule, hp):
-        # The steps that run at once, outside the recorded plan: the reference 4-bit step. Returns
-        # whether p's step ran here.
-        if path != "reference":
+        # The steps that run at once, outside the recorded plan: the reference 4-bit step, and
+        # with kernel_uniforms an SR write of a BF16 parameter with FP32 states (adamw_fp32_kernel's
+        # uniforms). Returns whether p's step ran here.
+        seed, span = sr_seed_of(self.seed, t, sidx), shard_span(sidx)
+        if path == "reference":
+            adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule, seed, span=span,
+                                 kernel_bits=self.kernel_uniforms)
+        elif path == "fp32" and self.kernel_uniforms and p.dtype == torch.bfloat16 and \
+                self.qcfg["param_rounding"] == "sr" and "param_correction" not in st:
+            adamw_step_torch(p, p.grad, st, *hp, t, "sr", seed, element_uniforms(seed, p.numel(), 2, p.device, span),
+                             span)
+        else:
             return False
-        adamw4bit_step_torch(p, p.grad, st, *hp, t, self.qcfg, m_rule, sr_seed_of(self.seed, t, sidx),
-                             span=shard_span(sidx))
         return True
 
     @torch.no_grad()

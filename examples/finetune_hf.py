@@ -127,8 +127,8 @@ def optimizer(args, model):
         (fp32 if id(p) in heads else bits if name.endswith("b_i") else rest).append(p)
     groups = [dict(params=fp32, quantize=False), dict(params=bits, weight_decay=args.bits_wd),
               dict(params=rest)]
-    return AdamW4bit([g for g in groups if g["params"]], lr=args.lr, weight_decay=args.weight_decay,
-                     preset=args.optim, seed=args.seed)
+    return AdamW4bit([g for g in groups if g["params"]], lr=args.lr, betas=(0.9, 0.95),
+                     weight_decay=args.weight_decay, preset=args.optim, seed=args.seed)   # paper B's betas
 
 
 def main(argv=None):

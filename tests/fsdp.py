@@ -126,7 +126,7 @@ def dcp_load_and_continue(model, opt, path):
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
-    steps = [opt.state[p]["step"] for p in model.parameters()]
+    steps = [float(opt.state[p]["step"]) for p in model.parameters()]
     quadratic_steps(model, opt, 3, 5)
     return steps, full_params(model)
 

@@ -7,6 +7,7 @@ Raises only, and changes nothing: the codebooks come as an argument (get_codeboo
 codebooks.py), the optimizer keeps what a check returns.
 """
 import math
+import numbers
 
 import torch
 
@@ -52,11 +53,15 @@ def check_dequant_args(packed, scales, block_size):
 
 
 def check_init_args(presets, lr, betas, eps, weight_decay, preset, block_size, impl, seed, param_rounding,
-                    master_weight_bits, capturable):
-    """AdamW4bit.__init__'s checks of its arguments (presets: its PRESETS)."""
+                    master_weight_bits, capturable, kernel_uniforms, torch_keywords):
+    """AdamW4bit.__init__'s checks of its arguments (presets: its PRESETS; torch_keywords: the
+    values of torch.optim.AdamW's other keywords, check_torch_keywords)."""
     _check_hparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "")
     if not isinstance(capturable, bool):
         raise TypeError(f"capturable must be a bool, got {capturable!r}")
+    if not isinstance(kernel_uniforms, bool):
+        raise TypeError(f"kernel_uniforms must be True or False, got {kernel_uniforms!r}")
+    check_torch_keywords(torch_keywords)
     if not isinstance(param_rounding, str) or param_rounding not in PARAM_ROUNDINGS:
         raise ValueError(f"param_rounding must be one of {PARAM_ROUNDINGS}, got {param_rounding!r}")
     if master_weight_bits not in MASTER_WEIGHT_BITS or not isinstance(master_weight_bits, (int, type(None))) \
@@ -75,16 +80,46 @@ def check_init_args(presets, lr, betas, eps, weight_decay, preset, block_size, i
         raise TypeError(f"seed must be a nonnegative int, got {seed!r}")
 
 
+# torch.optim.AdamW's keywords beside its hyperparameters (capturable apart): AdamW4bit takes each
+# at torch's default values and implements maximize=True; why it refuses the other values
+_TORCH_KEYWORDS = dict(
+    amsgrad="AdamW4bit keeps no running maximum of the second moment",
+    maximize=None,
+    foreach="AdamW4bit's step is fused already (one Triton launch per group of tensors on CUDA)",
+    fused="AdamW4bit's step is fused already (one Triton launch per group of tensors on CUDA)",
+    differentiable="autograd does not run through the 4-bit step")
+
+
+def check_torch_keywords(values):
+    """torch.optim.AdamW's keywords (values: name -> value): each True or False, foreach and fused
+    also None; a value AdamW4bit does not implement is a one-line error naming it."""
+    for key, value in values.items():
+        allowed = (None, False, True) if key in ("foreach", "fused") else (False, True)
+        if not any(value is a for a in allowed):
+            raise TypeError(f"{key}={value!r}: must be {', '.join(map(repr, allowed))}")
+        if value and _TORCH_KEYWORDS[key]:
+            raise ValueError(f"{key}={value!r} is not supported: {_TORCH_KEYWORDS[key]}; leave {key} at "
+                             f"torch's default")
+
+
+def _real(v):
+    """v as a float if it is a real number (any type but bool: NumPy scalars too) or a one-element
+    real tensor (its value; a device tensor's waits for the device), else None."""
+    if torch.is_tensor(v):
+        return v.item() if v.numel() == 1 and v.dtype != torch.bool and not v.is_complex() else None
+    return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None
+
+
 def _check_hparams(h, where):
-    """ValueError/TypeError naming the hyperparameter, its value and the allowed range."""
+    """ValueError/TypeError naming the hyperparameter, its value and the allowed range. Each may be
+    a real number of any type but bool, or a one-element tensor."""
     lr, betas, eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"{where}lr tensor must have one element, got shape {tuple(lr.shape)}")
-        lr = lr.item()
     for name, v in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
+        if torch.is_tensor(v) and v.numel() != 1:
+            raise ValueError(f"{where}{name} tensor must have one element, got shape {tuple(v.shape)}")
+        if _real(v) is None:
             raise TypeError(f"{where}{name} must be a number, got {v!r}")
+    lr, eps, wd = _real(lr), _real(eps), _real(wd)
     if not (0 <= lr < math.inf):
         raise ValueError(f"{where}lr must be finite and >= 0, got {lr}")
     if not (0 < eps < math.inf):
@@ -92,7 +127,7 @@ def _check_hparams(h, where):
     if not (0 <= wd < math.inf):
         raise ValueError(f"{where}weight_decay must be finite and >= 0, got {wd}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            and all(_real(b) is not None and 0.0 <= _real(b) < 1.0 for b in betas)):
         raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
 
 
@@ -101,13 +136,18 @@ def _lr_on_device(lr):
     return torch.is_tensor(lr) and lr.device.type != "cpu" and lr.numel() == 1
 
 
+def _key_of(v):
+    # a hyperparameter in hparams_key: a tensor by its identity and, on the CPU, its value
+    return (id(v), None if _lr_on_device(v) or v.numel() != 1 else v.item()) if torch.is_tensor(v) else v
+
+
 def hparams_key(group):
-    """What `_check_hparams` and `_check_math_keys` look at in a group, comparable without waiting
-    for the device: a CPU lr tensor by its value (also changed in place), a device one by its identity."""
-    lr, betas = group["lr"], group["betas"]
-    if torch.is_tensor(lr):
-        lr = (id(lr), None if _lr_on_device(lr) or lr.numel() != 1 else lr.item())
-    return (lr, tuple(betas) if isinstance(betas, (tuple, list)) else betas, group["eps"], group["weight_decay"],
+    """What `_check_hparams`, `_check_math_keys` and the maximize check look at in a group,
+    comparable without waiting for the device: a CPU tensor by its value (also changed in place), a
+    device one by its identity."""
+    betas = group["betas"]
+    return (_key_of(group["lr"]), tuple(map(_key_of, betas)) if isinstance(betas, (tuple, list)) else betas,
+            _key_of(group["eps"]), _key_of(group["weight_decay"]), group.get("maximize"),
             tuple(group.get(k) for k in _MATH_KEYS))
 
 
@@ -115,7 +155,7 @@ def hparams_key(group):
 # implements. A group taken from a torch optimizer (AdamW4bit(torch_opt.param_groups)) carries
 # them; ignoring another value would silently train something else (other unknown keys are
 # ignored, as torch does).
-_MATH_KEYS = dict(maximize=False, amsgrad=False, differentiable=False, decoupled_weight_decay=True)
+_MATH_KEYS = dict(amsgrad=False, differentiable=False, decoupled_weight_decay=True)
 
 
 def _check_math_keys(group, where):
@@ -207,6 +247,8 @@ def check_group(gi, group, capturable, lr_value=True):
     where = f"param group {gi}: "
     _check_hparams(dict(group, lr=0.0) if not lr_value and _lr_on_device(group["lr"]) else group, where)
     _check_math_keys(group, where)
+    if not isinstance(group.get("maximize", False), bool):    # torch's key, implemented
+        raise TypeError(f"{where}maximize={group['maximize']!r}: must be True or False")
     if capturable and any(0 < b < 1 and -54 * math.log(2) / math.log(b) >= BIAS_ROWS_MAX
                           for b in group["betas"]):
         raise ValueError(f"{where}capturable=True needs betas whose bias corrections reach 1 within "

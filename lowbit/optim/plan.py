@@ -28,11 +28,12 @@ from lowbit.optim.state import DTensor
 from lowbit.optim.sr_bits import step_seed, seed_base
 
 
-def hparams(group):
-    """(lr, b1, b2, eps, wd) of a param group for this step; lr may be a 0-d tensor (schedulers)."""
-    lr = group["lr"]
-    return (float(lr.item()) if torch.is_tensor(lr) else float(lr), *group["betas"], group["eps"],
-            group["weight_decay"])
+def hparams(group, lr=True):
+    """(lr, b1, b2, eps, wd) of a param group for this step as Python floats; each may be a real
+    number of any type (a LambdaLR may write NumPy scalars) or a one-element tensor (schedulers'
+    lr, torch's tensor betas). lr=False: 0.0 for lr (a capturable launch reads it on the device)."""
+    return tuple([float(x.item()) if torch.is_tensor(x) else float(x)
+                  for x in (group["lr"] if lr else 0.0, *group["betas"], group["eps"], group["weight_decay"])])
 
 
 class PlanKey(NamedTuple):
@@ -84,7 +85,7 @@ class StepPlan:
         gptrs = tuple([0 if g is None or g.layout is not torch.strided else g.data_ptr() for g in grads])
         key = self._key(groups, config, interp, params, grads)
         plan = self.recorded
-        if plan is not None and plan["key"] == key and (
+        if plan is not None and plan["key"] == key and self._counters_kept(plan) and (
                 gptrs == plan["grads"] or plan["layout"] == layout_key(params, grads)):
             self._replay(plan, grads, gptrs, seed, rule, capturing)
             return None
@@ -142,7 +143,21 @@ class StepPlan:
             record["steps"] = [st["step"] for st in record["states"]]
             record["graphable"] = all(g["device"] is None or (g["device"].type == "cuda" and not g["loop"])
                                       for g in record["groups"])
+        else:    # the step counters (0-d CPU tensors) become views of one tensor, which a replay advances
+            record["counter"] = torch.stack([st["step"] for st in record["states"]]) if record["states"] else \
+                torch.zeros(0)
+            for i, st in enumerate(record["states"]):
+                st["step"] = record["counter"][i]
+            record["steps"] = [st["step"] for st in record["states"]]
+            record["expect"] = record["counter"].clone()
         self.recorded = record
+
+    def _counters_kept(self, plan):
+        # Whether the states still hold the recorded plan's step counters with the values it left
+        # there: the plan's t would be stale after a state dict loaded in place (DCP's dcp.load into
+        # optimizer.state_dict()) or a counter replaced. A capturable step reads t on the device.
+        return self.capturable or (all([st["step"] is s for st, s in zip(plan["states"], plan["steps"])])
+                                   and torch.equal(plan["counter"], plan["expect"]))
 
     def _replay(self, plan, grads, gptrs, seed, rule, capturing):
         # the recorded step, k steps later: the same tensors, groups and launches, each group's
@@ -166,8 +181,8 @@ class StepPlan:
                                 "(zero_grad(set_to_none=False)) or take a step() with them first")
                         launch.regrad(gs)
         if not self.capturable:
-            for st in plan["states"]:
-                st["step"] += 1
+            plan["counter"] += 1          # every state's step counter (keep)
+            plan["expect"] += 1
             self._launch_all(plan, k, seed, rule)
             return
         for gplan in plan["groups"]:       # lr into the device buffers the launches read
@@ -193,8 +208,7 @@ class StepPlan:
         for gplan in plan["groups"]:
             group = gplan["group"]
             # capturable launches read lr on the device (and the loop, eager only, reads it here)
-            hp = hparams(group) if not self.capturable or gplan["loop"] else \
-                (0.0, *group["betas"], group["eps"], group["weight_decay"])
+            hp = hparams(group, lr=not self.capturable or bool(gplan["loop"]))
             for t, a in gplan["fused"]:
                 fused_fp32_group(a, t + k, *hp)
             fp32_loop(gplan["loop"], k, hp, rule, seed)
@@ -221,12 +235,12 @@ class StepPlan:
     def _device_args(self, index, group, state, device, seed):
         # a capturable launch's device arguments (Launch.run): the step counter of its tensors
         # (one t per launch), lr, the bias-correction table of the group's betas and wd
-        b1, b2 = group["betas"]
-        key = ("bias", b1, b2, group["weight_decay"], device)
+        _, b1, b2, _, wd = hparams(group, lr=False)
+        key = ("bias", b1, b2, wd, device)
         bias = self.device_bufs.get(key)
         if bias is None:   # betas or wd changed (e.g. OneCycleLR's cycle_momentum): a new table
             for k in [k for k in self.device_bufs if k[0] == "bias"][:-3]:
                 del self.device_bufs[k]           # keep the last few, not one per step
-            bias = self.device_bufs[key] = capturable_bias_table(b1, b2, group["weight_decay"]).to(device)
+            bias = self.device_bufs[key] = capturable_bias_table(b1, b2, wd).to(device)
         return dict(step=state["step"], lr=self._device_lr(index, group, device), bias=bias,
                     rows=bias.shape[0], seed_term=seed_base(seed))

@@ -1,7 +1,8 @@
 """
 The random bits of AdamW4bit's stochastic rounding (paper B, Def. 5; the BF16 SR write): the seed
-scheme, written once, the Triton uniforms drawn from it and the reference's torch draws. Touches
-no tensor of the optimizer.
+scheme, written once, the Triton uniforms drawn from it, the reference's torch draws, and the
+kernels' uniforms computed in PyTorch (kernel_uniforms, element_uniforms: the reference steps take
+them with AdamW4bit(kernel_uniforms=True)). Touches no tensor of the optimizer.
 
 Seed scheme: the bits of step t of the parameter with index i (its position in the optimizer,
 from 1) depend only on (seed, t, i), so a resumed run draws the same bits:
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.philox import philox
+from lowbit.philox import philox, philox_torch
 
 SEED_MOD = 2 ** 31 - 1        # a prime: the terms below never cancel to a shared seed by accident
 SEED_MULT = 1_000_003         # the run seed's multiplier
@@ -87,6 +88,45 @@ def span_uniforms(shape, generator, device, span=None):
     offset, numel = span
     u = torch.rand(numel, dtype=torch.float32, device=device, generator=generator)
     return u[offset:offset + torch.Size(shape).numel()].view(shape)
+
+
+def _positions(numel, device, span):
+    # int64 positions in the whole tensor of a tensor's (or an FSDP2 shard's, span) elements
+    offset = 0 if span is None else span[0]
+    return torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
+
+
+def _u16(word, shift):
+    # (k + 1/2) 2^-16 for the 16 bits of `word` (int64 holding a uint32) at `shift`: the kernels' fma
+    return ((((word >> shift) & 0xFFFF).double() + 0.5) * 2.0 ** -16).float()
+
+
+def kernel_uniforms(seed, numel, stream, tile_bytes, device=None, span=None):
+    """The SR uniforms the 4-bit kernel draws (tile_uniforms through _pair_uniforms and
+    sr_uniforms) for a tensor's `numel` elements, in plain PyTorch: float32 (numel,). seed: the
+    tensor's sr_seed_of; stream: 0 for v, 1 for m, 2 for the BF16 write; tile_bytes: bytes of a
+    kernel tile (NB * block_size / 2, tiles paired from the tensor's start); span as in
+    span_uniforms. Element i takes Philox4x32-7 at counter ((b >> 6) 32 + (b & 31), stream) of byte
+    b = i/2 (the upper tile of a pair reading at b - tile_bytes), word 2 upper + (i odd), half
+    (b >> 5) & 1."""
+    i = _positions(numel, device, span)
+    byte = i >> 1
+    upper = (byte // tile_bytes) & 1
+    b = byte - upper * tile_bytes
+    c = (b >> 6) * 32 + (b & 31)
+    z = torch.zeros_like(c)
+    words = torch.stack(philox_torch(c & 0xFFFFFFFF, c >> 32, z + stream, z, z + seed, z, rounds=7))
+    word = words.gather(0, (2 * upper + (i & 1))[None])[0]
+    return _u16(word, ((b >> 5) & 1) * 16)
+
+
+def element_uniforms(seed, numel, stream, device=None, span=None):
+    """The SR uniforms of the FP32-state kernel's BF16 write (sr_uniform), in plain PyTorch:
+    float32 (numel,), element i from the high 16 bits of word 0 of Philox4x32-7 at counter (i,
+    stream) under key `seed` (its sr_seed_of); span as in span_uniforms."""
+    i = _positions(numel, device, span)
+    z = torch.zeros_like(i)
+    return _u16(philox_torch(i & 0xFFFFFFFF, i >> 32, z + stream, z, z + seed, z, rounds=7)[0], 16)
 
 
 @triton.jit

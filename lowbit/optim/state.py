@@ -116,7 +116,7 @@ class LocalShards:
                 view = self.views[id(p)] = (p._local_tensor, p.to_local().detach())   # the step writes p's shard
             lp = view[1]
             lp.grad = p.grad.to_local()
-        local = {k: (v.to_local().view(-1) if quantized else v.to_local()) if torch.is_tensor(v) else v
+        local = {k: (v.to_local().view(-1) if quantized else v.to_local()) if is_dtensor(v) else v
                  for k, v in st.items()}
         writeback.append((p, st, lp, local, gathered, layout[2]))
         return lp, local, ShardIndex(index, layout[1], p.numel()), gathered
@@ -149,7 +149,7 @@ def write_back(p, st, lp, local, gathered, box):
     replaced (the reference step stores new tensors) into st's local tensors, and a gathered
     param's own shard (box: its local shape and global offset) into p."""
     for k, v in local.items():
-        dst = st[k].to_local().view(-1) if torch.is_tensor(v) else None
+        dst = st[k].to_local().view(-1) if is_dtensor(st[k]) else None
         if dst is not None and v.data_ptr() != dst.data_ptr():
             dst.copy_(v.reshape(-1))
     if gathered:
@@ -169,9 +169,7 @@ def new_state(p, quantized, block_size, capturable, master_weight_bits):
     if capturable and is_dtensor(p):
         raise ValueError("capturable=True does not support FSDP2 (DTensor) parameters; use "
                          "capturable=False with fully_shard")
-    # a Python number: no tensor op per parameter and step; capturable: a float32 tensor on
-    # p's device, advanced by the step itself (one _foreach_add_ for all)
-    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if capturable else 0.0
+    st["step"] = new_step(0.0, p, capturable)
     if quantized and is_dtensor(p):   # FSDP2: see LocalShards
         B, rows = block_size, p.shape[0]
         sharded = _rows_of_blocks(p, B)
@@ -198,6 +196,12 @@ def new_state(p, quantized, block_size, capturable, master_weight_bits):
     return st
 
 
+def new_step(value, p, capturable):
+    """A step counter as torch's AdamW keeps it: a 0-d float32 tensor on the CPU, or on p's device
+    with capturable=True (the kernels read it there). A tensor, so that DCP loads it in place."""
+    return torch.tensor(float(value), dtype=torch.float32, device=p.device if capturable else "cpu")
+
+
 def check_grad(p, index):
     """RuntimeError for a sparse gradient of p (parameter number `index`), as torch's AdamW."""
     if p.grad.is_sparse:
@@ -214,8 +218,10 @@ def fit_state(p, st, index, capturable, master_weight_bits):
     master_weight_bits=24 meets a new BF16 parameter, and contiguous tensors (the kernels index
     them flat). TypeError for a parameter or gradient dtype outside KERNEL_DTYPES (e.g.
     model.double() after construction)."""
-    if capturable != torch.is_tensor(st["step"]):   # a state loaded from the other kind
-        st["step"] = torch.tensor(float(st["step"]), device=p.device) if capturable else float(st["step"])
+    step = st["step"]
+    if not torch.is_tensor(step) or step.dtype != torch.float32 or step.device != (p.device if capturable else
+                                                                                   torch.device("cpu")):
+        st["step"] = new_step(step, p, capturable)   # a state loaded from the other kind, or older
     if p.dtype not in KERNEL_DTYPES:
         raise TypeError(f"AdamW4bit: parameter {index} (shape {tuple(p.shape)}) is {p.dtype}; "
                         "allowed: float32, bfloat16, float16")
@@ -324,8 +330,8 @@ def restore_states(state_dict, params, states, master_weight_bits):
                 if k in PACKED and "exp_avg_scale" in st and not is_dtensor(p):
                     t = t.reshape(-1)   # per-row codes and scales (_per_row): the step's flat layout
                 states[p][k] = t.detach().to(device=p.device).clone()
-        if "step" in states[p]:
-            states[p]["step"] = float(states[p]["step"])   # older checkpoints: a tensor
+        if "step" in states[p]:   # a copy (torch's load keeps the saved tensor); older checkpoints: a float
+            states[p]["step"] = new_step(states[p]["step"], p, False)
         if master_weight_bits and p.dtype == torch.bfloat16 and states[p] and "param_correction" not in states[p]:
             # saved with FP32 parameters: eq. MW with e = 0, the master weight is the BF16 weight
             states[p]["param_correction"] = torch.zeros_like(p, dtype=torch.int8)
