@@ -2,10 +2,9 @@
 AdamW with 4-bit optimizer states (paper B): ZIP-SR and ZE-EDEN, the TorchAO-style baseline and
 plain FP32 AdamW in one torch.optim.Optimizer, `AdamW4bit`.
 
-The file reads top to bottom: the math (below), the block quantizer, the reference step in plain
-PyTorch, the presets, the optimizer class, then the fused Triton kernel that does the same step
-(same bits given the same SR uniforms), its helpers and its wrapper. Reference and kernel use the
-same names and tag the same lines ("eq. 2.1a" etc.: the paper's section or definition).
+Top to bottom: the math (below), the block quantizer, the reference step in plain PyTorch, the
+presets, the optimizer, then the fused Triton kernel doing the same step (the same bits given the
+same SR uniforms). Reference and kernel tag the same lines ("eq. 2.1a": the paper's section).
 
 AdamW with update-before-storage (paper B, Sec. 2.1): the step decodes the stored moments Q(.),
 forms the working moments, updates the parameter with them (unquantized), then stores them:
@@ -35,13 +34,8 @@ ZIP-SR (Sec. 3.1) keeps zero in the v codebook (Dyn4) and rounds v with Update-S
 c = 0 and decodes to zero). Both store m in NF4 with RTN; the LM head's m switches to SR for the
 last 10 % of training (Sec. 4).
 
-Presets (paper B, Table 2), the `preset` argument of AdamW4bit:
-  "fp32"     plain AdamW, FP32 states
-  "torchao"  m: SDyn4 State-RTN                v: Lin4-NZ State-RTN
-  "zeeden"   m: NF4 RTN (LM head SR at 90 %)    v: Dyn4-NZ State-RTN + EDEN
-  "zipsr"    m: NF4 RTN (LM head SR at 90 %)    v: Dyn4 Update-SR
-Each component can be overridden (m_codebook, m_rounding, v_codebook, v_rounding, eden,
-lm_head_sr_after), one row of paper B Table 3 per call.
+Presets (paper B, Table 2; PRESETS below): "fp32" (plain AdamW), "torchao" (m SDyn4 State-RTN, v
+Lin4-NZ State-RTN), "zeeden", "zipsr". Each component can be overridden, one row of Table 3 a call.
 
 Parameters may be FP32 (the master weights), or BF16 / FP16: the math runs in FP32 and the new
 weight w_t is written back in the parameter's dtype by param_write.py (BF16: round to nearest
@@ -49,15 +43,13 @@ even or stochastic rounding, `param_rounding`; or the 24-bit master weight of eq
 `master_weight_bits=24`, an int8 correction per weight that the step reads back).
 
 Non-finite gradients: a NaN or Inf gradient element poisons its whole block (torch's AdamW only
-that element): its block's absmax, so its stored scales, become NaN or Inf, and from the next
-step all block_size parameters of the block are NaN for good (reference and kernel alike; keeping
-it to the element would cost a NaN-aware block max per element and another scale than the
-authors' absmax). The caller checks: train.py stops on a non-finite loss or gradient norm.
+that element): the block's absmax, so its scale, becomes NaN or Inf, and from the next step all
+block_size parameters of the block are NaN (reference and kernel alike, as the authors' absmax).
+train.py stops on a non-finite loss or gradient norm.
 
-The machinery lives in lowbit/optim/, one concern a module: the recorded launch plan (plan.py),
-launch and lookup tables (launch.py, lut.py), states, state_dict and FSDP2 (state.py), argument
-checks (args.py), the 16-bit parameter write (param_write.py), the SR bits (sr_bits.py) and the
-FP32-state step (fp32.py); float32 helpers in lowbit/numerics.py.
+The machinery lives in lowbit/optim/: the launch plan (plan.py), launch and lookup tables
+(launch.py, lut.py), states and FSDP2 (state.py), argument checks (args.py), the 16-bit parameter
+write (param_write.py), the SR bits (sr_bits.py), the FP32-state step (fp32.py).
 """
 import math
 import os
@@ -75,10 +67,10 @@ from lowbit.optim.launch import (DTYPE_KIND, TAB_CORRECTION, TAB_EXP_AVG, TAB_EX
                                  TAB_EXP_AVG_SQ_SCALE, TAB_FIRST_PROGRAM, TAB_GRAD, TAB_N_BLOCKS, TAB_OFFSET,
                                  TAB_PARAM, TAB_SEED_OF_INDEX, TAB_U_M, TAB_U_P, TAB_U_V, TAB_WIDTH, device_scalars,
                                  prepare)
-from lowbit.optim.lut import build_kernel_tables, on_device, unpair
+from lowbit.optim.lut import kernel_tables, on_device, unpair
 from lowbit.optim.param_write import (read_param, tl_join_master, tl_load_pairs, tl_masked_load, tl_store_pairs,
                                       write_step)
-from lowbit.optim.plan import StepPlan, hparams
+from lowbit.optim.plan import ParamPlan, StepPlan, hparams
 from lowbit.optim.sr_bits import (element_uniforms, kernel_uniforms, shard_offset, shard_span, span_uniforms,
                                   sr_seed_of, tile_uniforms, tl_sr_seed)
 
@@ -100,16 +92,13 @@ def round_to_levels(x, levels, rule="rtn", coord="state", bias_correction2=1.0, 
 
     x:      float tensor (..., n), in the units of `levels` (quantize_blockwise passes y = x (1/s)).
     levels: 1-D float tensor (K,) sorted ascending, K >= 2, same dtype as x.
-    rule:   "rtn" or "sr" (Def. 5); coord: "state" (phi(v) = v) or "update"
-            (phi = h_t, nonnegative levels only).
+    rule:   "rtn" or "sr" (Def. 5); coord: "state" (phi(v) = v) or "update" (phi = h_t, levels >= 0).
     u:      uniforms in [0, 1) shaped like x, required for rule="sr".
-    r_x, r_scale: update coordinate only. r_x = r_t of the unnormalized value (default r_t(x)),
-            and a level's r_t is r_scale * sqrt(level) + eps (default r_scale = 1/sqrt(bc2));
-            quantize_blockwise passes r_scale = sqrt(s)/sqrt(bc2) per block, so r_t(s T[k]) needs
-            one table read of sqrt(T[k]), a multiply and an add.
-    State-RTN is the nearest level, with y >= (a + b) / 2 (float midpoint) rounding up; the
-    others compare p = num/den as in the module docstring. Values outside [levels[0], levels[-1]]
-    saturate. Arguments are not checked here (quantize_blockwise checks them).
+    r_x, r_scale: update coordinate only: r_t of the unnormalized value (default r_t(x)), and a
+            level's r_t is r_scale * sqrt(level) + eps (default 1/sqrt(bc2); quantize_blockwise
+            passes sqrt(s)/sqrt(bc2) per block, so r_t(s T[k]) is one table read and an fma).
+    State-RTN is the nearest level (y >= (a + b) / 2 rounds up); the others compare p = num/den as
+    in the module docstring. Values outside the levels saturate. Not checked here (quantize_blockwise).
     """
     K = levels.numel()
     if rule == "rtn" and coord == "state":
@@ -212,16 +201,15 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
     storage by Def. 3 / App. A.2, EDEN eq. 3.2): the specification adamw4bit_step_triton matches
     bit for bit. Runs under torch.no_grad() (AdamW4bit.step's).
 
-    param:  float32, bfloat16 or float16 tensor, updated in place (math in float32, written back
-            by write_param); numel a multiple of cfg["block_size"]. grad: float32, bfloat16 or
-            float16, param's shape.
+    param:  float32, bfloat16 or float16, updated in place (math in float32); numel a multiple of
+            cfg["block_size"]. grad: float32, bfloat16 or float16, param's shape.
     state:  dict holding exp_avg, exp_avg_sq (packed codes, uint8 (numel/2,)) and exp_avg_scale,
             exp_avg_sq_scale (float32 (numel/block_size,)); replaced by the stored new moments.
             With a "param_correction" entry (int8, param's shape; BF16 param) the weight is the
             24-bit master weight of eq. MW, read and written through it.
     lr, b1, b2, eps, wd: AdamW's (floats); t: this step's number (>= 1, bias corrections).
-    cfg:    the configuration (AdamW4bit.qcfg: m_codebook, v_codebook, v_rounding, eden,
-            block_size, param_rounding). m_rounding: "rtn"|"sr", the first moment's rule this step.
+    cfg:    AdamW4bit.qcfg (codebooks, v_rounding, eden, block_size, param_rounding);
+            m_rounding: "rtn"|"sr", the first moment's rule this step.
     seed:   seeds the generator of the SR uniforms (m's first, then v's, then the BF16 write's);
             u: optional tuple of float32 tensors (u_m, u_v[, u_p]), numel each, replacing them
             (kernel tests); span: an FSDP2 shard's (offset, whole numel), sr_bits.span_uniforms.
@@ -261,7 +249,7 @@ def adamw4bit_step_torch(param, grad, state, lr, b1, b2, eps, wd, t, cfg, m_roun
 
 # ============================================================================================
 # The presets (paper B, Table 2): m is always rounded in state space; v's rounding names
-# "coord-rule".
+# "coord-rule"; zeeden and zipsr switch the LM head's m to SR for the last 10 % (Sec. 4)
 PRESETS = {
     "fp32":    dict(m_codebook=None, m_rounding=None, v_codebook=None, v_rounding=None,
                     eden=False, lm_head_sr_after=None),
@@ -281,15 +269,13 @@ MIN_QUANT_NUMEL = 4096  # paper B eligibility: numel >= 4096 and numel % block_s
 class AdamW4bit(torch.optim.Optimizer):
     """AdamW with block-quantized 4-bit moments (paper B, Sec. 2.1, Def. 3, Table 2).
 
-    params:       iterable of FP32, BF16 or FP16 tensors or param-group dicts (per-group lr,
-                  betas, eps, weight_decay, quantize). A group with quantize=False keeps FP32
-                  states for all its tensors (e.g. embeddings and the LM head, as bitsandbytes'
-                  GlobalOptimManager does); saved in state_dict(), so a resumed run keeps it.
+    params:       iterable of FP32, BF16 or FP16 tensors or param-group dicts (per-group lr, betas,
+                  eps, weight_decay, maximize, quantize). quantize=False keeps FP32 states for the
+                  group (e.g. embeddings, as bitsandbytes' GlobalOptimManager); state_dict() saves it.
     lr, betas, eps, weight_decay: AdamW's, with torch.optim.AdamW's defaults (1e-3, (0.9, 0.999),
                   1e-8, 0.01); paper B trains with betas=(0.9, 0.95), weight_decay=0.1 (Appendix B),
-                  which train.py and the examples pass. Each a real number (NumPy scalars too, as a
-                  LambdaLR may write) or a one-element tensor (lr: torch.optim.lr_scheduler's);
-                  weight decay is decoupled: w <- (1 - lr wd) w.
+                  which train.py and the examples pass. Real numbers (NumPy scalars too) or
+                  one-element tensors; weight decay is decoupled: w <- (1 - lr wd) w.
     preset:       "fp32", "torchao", "zeeden" or "zipsr" (module docstring; paper B Table 2).
     Component overrides (each row of paper B Table 3 is one call), None keeps the preset's:
       m_codebook, v_codebook: codebook names (codebooks.CODEBOOKS);
@@ -301,40 +287,32 @@ class AdamW4bit(torch.optim.Optimizer):
                   iff numel >= 4096 and numel % block_size == 0 and its group does not set
                   quantize=False; others keep FP32 states (lowbit/optim/fp32.py).
     impl:         "torch" (reference), "triton" (fused kernel, CUDA or TRITON_INTERPRET=1), or
-                  "auto" (triton on CUDA tensors, torch otherwise). A codebook too dense for the
-                  kernel's buckets (levels < ~0.004 apart) runs the reference under "auto" and is
-                  a ValueError under "triton".
-    seed:         seeds the SR random bits (sr_bits.py: those of step t depend only on (seed, t,
-                  parameter index, element position): the same after a resume, on any world size).
+                  "auto" (triton on CUDA tensors, torch otherwise; lut.kernel_tables).
+    seed:         seeds the SR bits: those of step t depend only on (seed, t, parameter index,
+                  element position), so they are the same after a resume and on any world size.
     param_rounding: how BF16 parameters are written (param_write.py): "rtn" (round to nearest
                   even) or "sr" (stochastic rounding, unbiased). FP16 ones are written RTN.
     master_weight_bits: None, or 24 (FlashOptim's name): each BF16 parameter gets an int8
                   state "param_correction", the rounding residual of eq. MW, so the weights the
                   step updates have 16 significant bits, not 8 (+1 B/param). RTN writes only.
-                  A later cast (model.to) keeps the 24-bit weight (optim_state.fit_state).
-    capturable:   False, or True (as torch's optimizers' flag): step counters and lr on the
-                  device, so step() can run inside a torch.cuda.graph capture (plan.py says
-                  what a capture needs). Not with FSDP2 (DTensor) parameters; betas up to
-                  ~0.99999. Same results as False (bit for bit on the kernels; torch's fused
-                  AdamW of FP32-state FP32 tensors takes lr as float32).
-    kernel_uniforms: False, or True: the reference step (impl="torch", and "auto" off CUDA) draws
-                  the SR uniforms the kernels draw (Philox4x32-7 in PyTorch, sr_bits.kernel_uniforms)
+    capturable:   as torch's flag: step counters and lr on the device, so step() can run inside a
+                  torch.cuda.graph capture (plan.py says what a capture needs); not with FSDP2
+                  parameters. Same results (torch's fused AdamW of FP32-state FP32 tensors takes
+                  lr as float32).
+    kernel_uniforms: True: the reference step draws the kernel's SR uniforms (sr_bits.kernel_uniforms)
                   instead of torch.rand, so impl="torch" equals impl="triton" bit for bit with SR
-                  too (ZIP-SR's v, the LM head's m, param_rounding="sr"; RTN presets are equal
-                  either way). Slower: for checking the kernel.
-    torch.optim.AdamW's other keywords are accepted at torch's defaults: amsgrad=False,
-                  foreach=None/False, fused=None/False, differentiable=False; maximize (also per
-                  param group) False, or True: the step of -grad, as torch's. Another value is a
-                  one-line ValueError naming it.
+                  too (RTN presets are equal either way). Slower: for checking the kernel.
+    amsgrad, maximize, foreach, fused, differentiable: torch.optim.AdamW's, accepted at its defaults
+                  (False, False, None, None, False); maximize=True steps -grad, as torch's; any
+                  other value is a one-line ValueError naming it.
 
     State per quantized parameter: exp_avg / exp_avg_sq as packed uint8 (numel/2,) and
     exp_avg_scale / exp_avg_sq_scale as float32 (numel/block_size,); FP32 tensors otherwise;
     with master_weight_bits=24 also param_correction (int8, the parameter's shape; BF16 ones).
-    state["step"] is a 0-d float32 CPU tensor (on the parameter's device with capturable=True), as
-    torch's AdamW keeps it, so DCP loads it in place; state dicts with Python-float steps load. FSDP2
-    (fully_shard) parameters: lowbit/optim/state.py. NaN and Inf gradients: module docstring.
-    Raises ValueError/TypeError for bad hyperparameters (also in param groups), unknown names, non-float
-    parameters and mismatched state dicts; RuntimeError (as torch's AdamW) for sparse gradients.
+    state["step"]: a 0-d float32 tensor, as torch's (DCP loads it in place). FSDP2 parameters:
+    lowbit/optim/state.py. NaN and Inf gradients: module docstring. Raises ValueError/TypeError
+    for bad hyperparameters (also in param groups), unknown names, non-float parameters and
+    mismatched state dicts; RuntimeError (as torch's AdamW) for sparse gradients.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -352,17 +330,8 @@ class AdamW4bit(torch.optim.Optimizer):
         cfg.update(param_rounding=param_rounding, master_weight_bits=master_weight_bits)
         self.impl, self.capturable, self.seed, self.progress = impl, capturable, int(seed), 0.0
         self.kernel_uniforms = kernel_uniforms
-        # the kernel's lookup tables (CPU; copied to each device at its first step). Their buckets
-        # need levels >= ~0.004 apart (bucket_lut); None: impl="torch", FP32 states, or a codebook
-        # too dense for them under impl="auto" (the reference path)
-        self._kernel_tabs = None
-        if cfg["m_codebook"] is not None and impl != "torch":
-            try:
-                self._kernel_tabs = build_kernel_tables(get_codebook(cfg["m_codebook"]),
-                                                        get_codebook(cfg["v_codebook"]), cfg)
-            except ValueError as e:
-                if impl == "triton":
-                    raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
+        # the kernel's lookup tables (CPU; copied to each device at its first step); None runs the reference
+        self._kernel_tabs = kernel_tables(impl, cfg, get_codebook)
         self._lm_head = set()      # id() of the parameters mark_lm_head() marked
         self._new_caches()
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -374,8 +343,7 @@ class AdamW4bit(torch.optim.Optimizer):
         self._plan = StepPlan(self.capturable)    # step()'s recorded plan and what voids it
         self._shards = optim_state.LocalShards()  # FSDP2 parameters' shard layouts and local views
         self._checked = {}         # group index -> optim_args.hparams_key at its last check
-        self._positions = (None, {})   # step_param: the groups' layout, id(param) -> its place
-        self._param_launches = {}  # step_param: id(param) -> (what its launch assumes, launch.Launch)
+        self._param_plan = ParamPlan()   # step_param's places and launches
 
     def add_param_group(self, param_group):
         """torch's add_param_group, then the group's checks (optim_args.check_new_group: its
@@ -423,18 +391,8 @@ class AdamW4bit(torch.optim.Optimizer):
         """True if p's moments are stored in 4 bits: a quantized preset, an eligible size, and p's
         param group (`group`, else looked up) does not set quantize=False. ValueError when p already
         has states of the other kind (the group's quantize flag was changed after its first step)."""
-        if group is None:
-            group = next((g for g in self.param_groups if any(p is q for q in g["params"])), None)
-            if group is None:
-                raise ValueError(f"is_quantized: the tensor of shape {tuple(p.shape)} is not a "
-                                 "parameter of this optimizer")
-        q = group.get("quantize", True) and self._eligible(p)   # older state dicts: no flag
-        st = self.state.get(p)
-        if st and "exp_avg" in st and (st["exp_avg"].dtype == torch.uint8) != q:
-            raise ValueError(f"a parameter of shape {tuple(p.shape)} has {'FP32' if q else '4-bit'} "
-                             f"states but its param group now says quantize={group.get('quantize', True)}; "
-                             "set quantize per group before the first step (or load a state dict)")
-        return q
+        group = group or optim_state.group_of(self.param_groups, p, "is_quantized")
+        return optim_state.check_kind(p, self.state.get(p), group.get("quantize", True) and self._eligible(p), group)
 
     def _init_state(self, p, group=None):    # p's zero states at its first step
         st = self.state[p]
@@ -479,11 +437,8 @@ class AdamW4bit(torch.optim.Optimizer):
         codes and scales per row where rows are whole blocks (FSDP2's layout, views). The
         register_state_dict_post_hook hooks get this dict, as torch's get theirs."""
         params = self._params()
-        post, self._optimizer_state_dict_post_hooks = self._optimizer_state_dict_post_hooks, {}
-        try:
+        with optim_state.without(self, "_optimizer_state_dict_post_hooks") as (post,):
             sd = super().state_dict()
-        finally:
-            self._optimizer_state_dict_post_hooks = post
         extra = dict(seed=self.seed, progress=self.progress,
                      lm_head=[i for i, p in enumerate(params) if id(p) in self._lm_head])
         sd = optim_state.with_config(sd, params, self.qcfg, extra)
@@ -498,20 +453,16 @@ class AdamW4bit(torch.optim.Optimizer):
         "param_groups"} (DCP). ValueError for another configuration or optimizer. As torch's, the
         register_load_state_dict_pre_hook hooks get the state dict as given (and may change or
         replace it), the post hooks the loaded optimizer."""
-        pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
-        state_dict = state_dict.copy()
-        for hook in pre.values():
+        state_dict, params = state_dict.copy(), self._params()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             state_dict = state_dict if result is None else result
-        params = self._params()
         state_dict, torch_part = optim_state.check_loadable(state_dict, self.qcfg, params,
                                                             [self._eligible(p) for p in params])
         self._plan.invalidate()
-        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
-        try:
+        with optim_state.without(self, "_optimizer_load_state_dict_pre_hooks",
+                                 "_optimizer_load_state_dict_post_hooks") as (_, post):
             super().load_state_dict(torch_part)
-        finally:
-            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
         optim_state.restore_states(state_dict, params, self.state, self.qcfg["master_weight_bits"])
         extra = state_dict.get("adam4bit_extra", {})
         self.seed, self.progress = int(extra.get("seed", self.seed)), float(extra.get("progress", self.progress))
@@ -523,10 +474,10 @@ class AdamW4bit(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step over all parameters with a gradient (update-before-storage): quantized
-        tensors through the kernel (adamw4bit_step_triton, one launch per group of tensors sharing
-        step, dtypes and m's rule) or the reference (adamw4bit_step_torch), FP32-state ones
-        through lowbit/optim/fp32.py. The step's plan is recorded and replayed (plan.StepPlan).
-        Returns the closure's loss (None without a closure)."""
+        tensors through adamw4bit_kernel (one launch per batch of tensors sharing step, dtypes and
+        m's rule) or the reference (adamw4bit_step_torch), FP32-state ones through
+        lowbit/optim/fp32.py. The plan is recorded and replayed (plan.StepPlan). Returns the
+        closure's loss (None without a closure)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -536,69 +487,56 @@ class AdamW4bit(torch.optim.Optimizer):
                 self._checked[gi] = optim_args.check_group(gi, group, self.capturable, lr_value=False)
         capturing = self.capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         params = self._params()
-        flipped = self._maximized_grads()
-        if flipped:
-            torch._foreach_neg_(flipped)   # maximize=True: the step of -grad, every path alike
-        try:
+        with optim_state.negated(optim_state.maximized_grads(self.param_groups)):   # maximize=True
             params, grads = self._shards.local_params(params, [p.grad for p in params])
             record = self._plan.replay_or_record(self.param_groups, (id(self.state), self.impl, self._lm_head_sr()),
                                                  params, grads, self.seed, self.qcfg["param_rounding"], capturing)
             if record is not None and self._build_and_run(record):   # nothing replayed: run and record
                 self._plan.keep(record)
-        finally:
-            if flipped:
-                torch._foreach_neg_(flipped)   # the gradients as they were (negation is exact)
         self._shards.drop_grads()
         return loss
 
-    def _maximized_grads(self):
-        # the gradients of the maximize=True groups' parameters (local tensors, each once), which
-        # step() negates in place around the step: no copy, and the kernels, the reference and a
-        # recorded plan all step -grad, as torch's AdamW(maximize=True)
-        grads, seen = [], set()
-        for group in self.param_groups:
-            if group.get("maximize"):
-                for p in group["params"]:
-                    g = p.grad
-                    if g is not None and id(g) not in seen:
-                        seen.add(id(g))
-                        grads.append(g.to_local() if optim_state.is_dtensor(g) else g)
-        return grads
-
     def _build_and_run(self, record):
-        # Every parameter with a gradient: its state for this step, then its path (kernel or
-        # reference, 4-bit or FP32 states). The reference 4-bit step runs at once; the rest runs
-        # per group through StepPlan.run_group, which records it. Returns whether a later step may
-        # replay the record (not with reference 4-bit steps or gathered FSDP2 tensors).
+        # Every parameter with a gradient, group by group (_run_group). Returns whether a later
+        # step may replay the record (not with reference 4-bit steps or gathered FSDP2 tensors).
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        cfg, index, writeback, cacheable = self.qcfg, 0, [], record["key"] is not None
+        index, writeback, cacheable = 0, [], record["key"] is not None
         for gi, group in enumerate(self.param_groups):
-            hp = hparams(group)
-            states, fp32, quant, small = [], [], {}, {}
-            for p in group["params"]:
-                index += 1
-                if p.grad is None:
-                    continue
-                st, path, (p, st_p, t, sidx, m_rule), gathered = self._param_path(p, group, index, writeback, interp)
-                states.append(st)
-                cacheable = cacheable and not gathered   # a gathered tensor is new each step
-                if path == "small":
-                    small.setdefault((t, p.dtype, p.grad.dtype, "param_correction" in st_p), []).append((p, st_p, sidx))
-                elif self._step_now(path, p, st_p, t, sidx, m_rule, hp):
-                    cacheable = False     # not in the plan: a later step cannot replay it
-                elif path == "fp32":
-                    fp32.append((p, st_p, t, sidx))
-                elif path == "kernel":
-                    quant.setdefault((t, p.dtype, p.grad.dtype, m_rule), []).append((p, st_p, sidx))
-            launches = [(t, _triton_prepare(items, cfg, m_rule, self._kernel_tabs, self._kernel_cache,
-                                            own_table=cacheable), items)
-                        for (t, _, _, m_rule), items in quant.items()]
-            launches += [(t, adamw_prepare(items, cfg["param_rounding"], self._kernel_cache, own_table=cacheable),
-                          items) for (t, *_), items in small.items()]
-            self._plan.run_group(record, gi, group, hp, states, fp32, launches, self.seed, cfg["param_rounding"])
+            members = [(p, index + j) for j, p in enumerate(group["params"], 1) if p.grad is not None]
+            index += len(group["params"])
+            cacheable = self._run_group(record, gi, group, members, writeback, interp, cacheable, self._prepare)
         for args in writeback:
             optim_state.write_back(*args)
         return cacheable
+
+    def _run_group(self, record, gi, group, members, writeback, interp, cacheable, prepare):
+        # members: (parameter with a gradient, its index from 1) of group gi. Each one's state for
+        # this step, then its path (kernel or reference, 4-bit or FP32 states): the reference
+        # 4-bit step runs at once, the rest through StepPlan.run_group, which records it in
+        # `record`, the kernels in one launch per (path, t, dtypes, m's rule or correction) from
+        # prepare(path, m_rule, items, own_table). Returns cacheable, False once a step ran outside
+        # the plan or a tensor was gathered (a gathered tensor is new each step).
+        hp, states, fp32, batches = hparams(group), [], [], {}
+        for p, index in members:
+            st, path, (p, st_p, t, sidx, m_rule), gathered = self._param_path(p, group, index, writeback, interp)
+            states.append(st)
+            cacheable = cacheable and not gathered
+            if path in ("small", "kernel"):
+                kind = m_rule if path == "kernel" else "param_correction" in st_p
+                batches.setdefault((path, t, p.dtype, p.grad.dtype, kind), []).append((p, st_p, sidx))
+            elif self._step_now(path, p, st_p, t, sidx, m_rule, hp):
+                cacheable = False     # not in the plan: a later step cannot replay it
+            elif path == "fp32":
+                fp32.append((p, st_p, t, sidx))
+        launches = [(t, prepare(path, kind, items, cacheable), items) for (path, t, _, _, kind), items in batches.items()]
+        self._plan.run_group(record, gi, group, hp, states, fp32, launches, self.seed, self.qcfg["param_rounding"])
+        return cacheable
+
+    def _prepare(self, path, m_rule, items, own_table):
+        # the launch of a batch of tensors: adamw4bit_kernel ("kernel") or adamw_fp32_kernel ("small")
+        if path == "kernel":
+            return _triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache, own_table=own_table)
+        return adamw_prepare(items, self.qcfg["param_rounding"], self._kernel_cache, own_table=own_table)
 
     def _param_path(self, p, group, index, writeback, interp):
         # Parameter number `index` (from 1: its SR seed index) of `group`, with a gradient, at this
@@ -655,60 +593,20 @@ class AdamW4bit(torch.optim.Optimizer):
         if self.capturable:
             raise ValueError("step_param: capturable=True steps every parameter at once in step(); "
                              "use capturable=False")
-        gi, index = self._position(p)
+        gi, index = self._param_plan.place(self.param_groups, p)
         group, writeback = self.param_groups[gi], []
         if self._checked.get(gi) != optim_args.hparams_key(group):
             self._checked[gi] = optim_args.check_group(gi, group, self.capturable, lr_value=False)
-        hp, rule = hparams(group), self.qcfg["param_rounding"]
         self._plan.invalidate()     # the step counters move outside the recorded plan
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        grad = p.grad.to_local() if optim_state.is_dtensor(p.grad) else p.grad
-        flip = bool(group.get("maximize"))
-        if flip:
-            grad.neg_()    # maximize=True (torch's flag): the step of -grad
-        try:
-            st, path, (q, st_q, t, sidx, m_rule), _ = self._param_path(p, group, index, writeback, interp)
-            if path is not None and not self._step_now(path, q, st_q, t, sidx, m_rule, hp):
-                # the ordinary step's code for a group of this one tensor, recorded in a plan not kept
-                fp32 = [(q, st_q, t, sidx)] if path == "fp32" else []
-                launches = [] if fp32 else [(t, self._param_launch(path, q, st_q, sidx, m_rule), [(q, st_q, sidx)])]
-                self._plan.run_group(dict(states=[], groups=[]), gi, dict(group, params=[q]), hp, [st], fp32,
-                                     launches, self.seed, rule)
-        finally:
-            if flip:
-                grad.neg_()
+        one = dict(group, params=[p])    # the ordinary step's code for a group of this one tensor
+        with optim_state.negated(optim_state.maximized_grads([one])):   # maximize=True
+            self._run_group(dict(states=[], groups=[]), gi, one, [(p, index)], writeback, interp, False,
+                            lambda path, kind, items, _: self._param_plan.launch(
+                                (path, kind), *items[0], lambda: self._prepare(path, kind, items, True)))
         for args in writeback:
             optim_state.write_back(*args)
             args[2].grad = None    # FSDP2: no reference to its gradient outlives the step
-
-    def _position(self, p):
-        # (group index, index from 1) of parameter p, from a map rebuilt when the groups change
-        key = tuple((id(g), len(g["params"])) for g in self.param_groups)
-        if self._positions[0] != key:
-            where = [(gi, j) for gi, g in enumerate(self.param_groups) for j in range(len(g["params"]))]
-            self._positions = (key, {id(self.param_groups[gi]["params"][j]): (gi, j, i + 1)
-                                     for i, (gi, j) in enumerate(where)})
-        gi, j, index = self._positions[1].get(id(p), (0, -1, 0))
-        if j < 0 or self.param_groups[gi]["params"][j] is not p:
-            raise ValueError(f"step_param: the tensor of shape {tuple(p.shape)} is not a parameter of this "
-                             "optimizer")
-        return gi, index
-
-    def _param_launch(self, path, p, st, sidx, m_rule):
-        # step_param's kernel launch of one tensor, kept per parameter (launch.prepare's shared
-        # cache keeps 64 launch tables) and repointed when only its gradient moved
-        key = (path, m_rule, p.data_ptr(), p.dtype, p.grad.dtype, int(sidx), shard_offset(sidx),
-               tuple(v.data_ptr() for v in st.values() if torch.is_tensor(v)))
-        kept = self._param_launches.get(id(p))
-        if kept is None or kept[0] != key:
-            items = [(p, st, sidx)]
-            launch = (_triton_prepare(items, self.qcfg, m_rule, self._kernel_tabs, self._kernel_cache, own_table=True)
-                      if path == "kernel" else
-                      adamw_prepare(items, self.qcfg["param_rounding"], self._kernel_cache, own_table=True))
-            kept = self._param_launches[id(p)] = (key, launch)
-        elif kept[1].grads[0] != p.grad.data_ptr():
-            kept[1].regrad([p.grad])
-        return kept[1]
 
 
 # ============================================================================================

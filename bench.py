@@ -6,7 +6,7 @@ ratios. Each section prints one table and writes one JSON, results/<gpu>_<date>_
     python bench.py                 # optim, noise, memory, train
     python bench.py --only optim    # 4-bit AdamW step (paper B) vs torch AdamW, bandwidth floor
     python bench.py --only host     # CPU: the 4-bit step's Python work per call (no GPU needed)
-    python bench.py --only in_backward   # CPU: the step inside backward vs the ordinary step, 579 tensors
+    python bench.py --only in_backward   # CPU (--device cuda: GPU): the step inside backward vs the ordinary one
     python bench.py --only noise    # GaussWS noise kernels (paper A, Figure 6)
     python bench.py --only memory   # bytes/param of the training state, measured vs arithmetic
     python bench.py --only capacity # the largest 7B-width Llama one GPU trains, per setup
@@ -61,6 +61,8 @@ def build_parser():
                     help="--only ddp: training steps (default 300); --only multigpu: (default 150); --only fsdp: "
                          "(default 40)")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="--only in_backward: where it runs (the other sections need CUDA)")
     ap.add_argument("--compile", nargs="?", const="model", choices=["model", "blocks"], default=None,
                     help="--only train --table1: torch.compile each model whole (slow to start: minutes for the "
                          "larger ones), or with 'blocks' each transformer block (compiled once per model, "
@@ -136,7 +138,7 @@ def check_args(ap, args):
 
 
 # the sections that read each flag (--only unset: optim, noise, memory and train)
-READ_BY = dict(quick=("optim",), dataset=("ddp", "multigpu", "fsdp"), iters=("ddp", "multigpu", "fsdp"),
+READ_BY = dict(quick=("optim",), device=("in_backward",), dataset=("ddp", "multigpu", "fsdp"), iters=("ddp", "multigpu", "fsdp"),
                cases=("multigpu",), eager=("fsdp",), reps=("fsdp",), train_args=("multigpu", "fsdp"),
                **{k: ("train",) for k in ("modes", "pairs", "gpt2", "table1", "methods", "optims", "compile", "models")})
 
@@ -167,8 +169,10 @@ def main(argv=None):
     if args.only == "host":   # CPU only: the step's Python work, the GPU launches stubbed out
         save("host", bench_host())
         return
-    if args.only == "in_backward":   # CPU: the host work of stepping each tensor from its gradient's hook
-        save("in_backward", bench_in_backward())
+    if args.only == "in_backward":   # the host work of stepping each tensor from its gradient's hook
+        if args.device == "cuda" and not torch.cuda.is_available():
+            ap.error("--device cuda: no CUDA GPU here (--only in_backward runs on CPU by default)")
+        save("in_backward", bench_in_backward(device=args.device))
         return
     if not torch.cuda.is_available():
         raise SystemExit(f"bench.py {'--only ' + args.only if args.only else '(all sections)'} needs a CUDA "

@@ -4,7 +4,7 @@ import argparse
 import pytest
 
 from tests.fsdp import load_and_continue, train_and_save, unwrapped_dcp_round_trip
-from tests.helpers import kernel_launcher
+from tests.helpers import launch_ranks
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +22,7 @@ def fsdp_runs(tmp_path_factory):
     an unwrapped model; 2 ranks loading the unwrapped model's checkpoint. Computed once per worker
     process: the tests that read it share the pytest-xdist group "fsdp_runs"."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    saved = kernel_launcher(train_and_save, tmp, 2)
-    one, two = kernel_launcher(load_and_continue, tmp, 1), kernel_launcher(load_and_continue, tmp, 2)
+    saved = launch_ranks(train_and_save, tmp, 2)
+    one, two = launch_ranks(load_and_continue, tmp, 1), launch_ranks(load_and_continue, tmp, 2)
     unwrapped = unwrapped_dcp_round_trip(tmp)
-    return saved, one, two, unwrapped, kernel_launcher(load_and_continue, tmp, 2, "dcp-plain")
+    return saved, one, two, unwrapped, launch_ranks(load_and_continue, tmp, 2, "dcp-plain")

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repos
 # gloo process groups on CPU, started as torchrun starts them
 
 def rank_main(module, fn, tmp, rank, world):
-    """Body of one rank started by kernel_launcher: join the gloo group of `world` processes through a
+    """Body of one rank started by launch_ranks: join the gloo group of `world` processes through a
     file store, run module.fn(rank, world, tmp) and write its result to tmp/fn.world.rank.pt
     (atomically)."""
     import importlib
@@ -39,7 +39,7 @@ def rank_main(module, fn, tmp, rank, world):
         dist.destroy_process_group()
 
 
-def kernel_launcher(fn, tmp, world, *args, timeout=300):
+def launch_ranks(fn, tmp, world, *args, timeout=300):
     """Run fn(rank, world, tmp, *args), a module-level function of a module the repository's root
     imports (a test file), on `world` fresh processes (rank_main; RANK, WORLD_SIZE, LOCAL_RANK set as
     torchrun does) and return their results, rank by rank. A

@@ -125,6 +125,87 @@ def test_gpu_16bit_params_bit_identical_to_reference():
     assert d.max() == 1 and 0.05 < (d > 0).float().mean() < 0.95
 
 
+@needs_compiled
+@needs_cuda
+@pytest.mark.parametrize("preset, dtype, kw", [("zipsr", torch.float32, {}), ("zeeden", torch.float32, {}),
+                                               ("torchao", torch.bfloat16, dict(master_weight_bits=24)),
+                                               ("zipsr", torch.bfloat16, dict(param_rounding="sr"))],
+                         ids=["zipsr", "zeeden", "torchao-bf16-master24", "zipsr-bf16-sr-write"])
+def test_gpu_kernel_equals_reference_drawing_its_uniforms(preset, dtype, kw):
+    """On CUDA the compiled kernel and the CPU reference drawing the kernel's SR uniforms
+    (impl="torch", kernel_uniforms=True) give the same weights and states bit for bit over 3 steps,
+    the SR presets too (ZIP-SR's Update-SR v, the LM head's m after 90 %, the BF16 SR write)."""
+    gen = torch.Generator().manual_seed(41)
+    shapes = [(4096,), (33, 384), (1000, 128 * 3), (100,)]
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    o_c = A.AdamW4bit(cpu, lr=1e-2, preset=preset, seed=5, impl="torch", kernel_uniforms=True, **kw)
+    o_g = A.AdamW4bit(gpu, lr=1e-2, preset=preset, seed=5, impl="triton", **kw)
+    for o, ps in ((o_c, cpu), (o_g, gpu)):
+        o.mark_lm_head(ps[1])
+        o.set_progress(0.95)
+    for _ in range(3):
+        for a, b in zip(cpu, gpu):
+            gr = (torch.randn(a.shape, generator=gen) * 1e-2).to(dtype)
+            a.grad, b.grad = gr.clone(), gr.cuda()
+        o_c.step()
+        o_g.step()
+    for a, b in zip(cpu, gpu):
+        assert torch.equal(a, b.cpu()), (preset, tuple(a.shape))
+        for k in o_c.state[a].keys() - {"step"}:
+            assert torch.equal(o_c.state[a][k], o_g.state[b][k].cpu()), (preset, tuple(a.shape), k)
+
+
+@needs_compiled
+@needs_cuda
+@pytest.mark.parametrize("preset, dtype, kw", [("zipsr", torch.float32, {}),
+                                               ("zeeden", torch.bfloat16, dict(master_weight_bits=24)),
+                                               ("zipsr", torch.bfloat16, dict(param_rounding="sr"))],
+                         ids=["zipsr", "zeeden-bf16-master24", "zipsr-bf16-sr-write"])
+def test_gpu_step_param_and_step_in_backward_equal_the_ordinary_step(preset, dtype, kw):
+    """On CUDA step_param (one kernel launch per tensor, kept per parameter) gives step()'s weights
+    and states bit for bit, 4-bit and FP32-state tensors and the LM head's SR switch alike; a
+    model trained with lowbit.step_in_backward ends where the ordinary step does."""
+    from lowbit import step_in_backward
+    from model import GPT, GPTConfig
+    gen = torch.Generator().manual_seed(42)
+    shapes = [(4096,), (33, 384), (100,), (64, 64)]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype).cuda()) for s in shapes]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    o, o2 = (A.AdamW4bit(x, lr=1e-2, preset=preset, seed=3, **kw) for x in (ps, qs))
+    for opt, x in ((o, ps), (o2, qs)):
+        opt.mark_lm_head(x[1])
+    for progress in (0.5, 0.95, 0.97):
+        for a, b in zip(ps, qs):
+            a.grad = (torch.randn(a.shape, generator=gen) * 1e-2).to(dtype).cuda()
+            b.grad = a.grad.clone()
+        o.set_progress(progress)
+        o2.set_progress(progress)
+        o.step()
+        for b in reversed(qs):
+            o2.step_param(b)
+    for a, b in zip(ps, qs):
+        assert torch.equal(a, b)
+        assert all(torch.equal(o.state[a][k], o2.state[b][k]) for k in o.state[a])
+    runs = []
+    for in_backward in (False, True):
+        torch.manual_seed(0)
+        m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=256, block_size=64)).cuda().to(dtype)
+        opt = A.AdamW4bit(m.parameters(), lr=1e-3, preset=preset, seed=3, **kw)
+        handles = step_in_backward(opt) if in_backward else ()
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(3):
+            x = torch.randint(0, 256, (4, 64), device="cuda", generator=gen)
+            m(x, x)[1].backward()
+            if not in_backward:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        for h in handles:
+            h.remove()
+        runs.append(list(m.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @needs_cuda
 def test_gpu_capturable_step_as_cuda_graph():
     """On CUDA, capturable=True replays the step as its own CUDA graph (captured again when the

@@ -31,7 +31,7 @@ from model import GPT, preset_config
 
 from test_all import assert_twins_equal, set_grads, twin_optimizers
 from tests.fsdp import FSDP_PRESETS, FSDP_SHAPES, Quadratic, fsdp_quadratic, full_params, plain_quadratic, quadratic_steps
-from tests.helpers import kernel_launcher
+from tests.helpers import launch_ranks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1208,7 +1208,7 @@ def test_fsdp_replayed_step_equals_full_step(tmp_path, world):
     packed states, on 1 rank (the 1-D tensor stepped on its one shard, no all-gather) and on 2
     (row shards; the 1-D tensor, gathered there, would void the plan and is left out). After a
     step the optimizer holds no reference to FSDP2's gradients."""
-    runs = kernel_launcher(_fsdp_replay, tmp_path, world)
+    runs = launch_ranks(_fsdp_replay, tmp_path, world)
     for res in runs:
         assert res[True]["replays"] == 1 and res[False]["replays"] == 0
         ptrs = res[True]["ptrs"]
@@ -1294,7 +1294,7 @@ def test_fsdp_sr_bits_equal_on_one_two_three_ranks(tmp_path, sr_unwrapped, world
     block does not start a pair of kernel tiles, FP32-state rows and vectors: 2 steps give the
     unwrapped model's parameters and states bit for bit, reference and kernel."""
     rows = {1: ([33], [33], [45]), 2: ([17, 16], [17, 16], [23, 22]), 3: ([11] * 3, [11] * 3, [15] * 3)}[world]
-    for rank, res in enumerate(kernel_launcher(_fsdp_sr_runs, tmp_path, world)):
+    for rank, res in enumerate(launch_ranks(_fsdp_sr_runs, tmp_path, world)):
         for impl, want in sr_unwrapped.items():
             got = res[impl]
             assert got["offsets"] == [sum(r[:rank]) * (s[1] if len(s) > 1 else 1) for r, s in zip(rows, _SR_SHAPES)]

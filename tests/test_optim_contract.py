@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import adam4bit as A
 from tests.fsdp import FSDP_SHAPES, Quadratic, full_params, quadratic_steps
-from tests.helpers import kernel_launcher
+from tests.helpers import launch_ranks
 
 
 def _mlp(seed=0, dtype=torch.float32):
@@ -387,7 +387,7 @@ def test_fsdp_dcp_in_place_round_trip_on_two_ranks(tmp_path):
     """TorchAO's _test_fsdp2 on 2 gloo ranks: dcp.save(optimizer.state_dict()) under fully_shard
     and dcp.load into a fresh optimizer's state_dict() in place restore the step counters (3) with
     the sharded codes and scales, and the next 2 steps equal the uninterrupted run's bit for bit."""
-    for res in kernel_launcher(_fsdp_dcp_in_place, tmp_path, 2):
+    for res in launch_ranks(_fsdp_dcp_in_place, tmp_path, 2):
         assert res["steps"] == [3.0] * len(FSDP_SHAPES)
         for a, b in zip(res["want"], res["got"]):
             assert torch.equal(a, b), tuple(a.shape)

@@ -36,7 +36,7 @@ from trainer.memory import check_activations_fit
 from trainer.optim import get_lr, quantized_summary
 from trainer.util import RunError
 
-from tests.helpers import ROOT, assert_one_line_flag_error, base_args, hold_lock_then, kernel_launcher, nano_args, read_log
+from tests.helpers import ROOT, assert_one_line_flag_error, base_args, hold_lock_then, launch_ranks, nano_args, read_log
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1104,11 +1104,11 @@ def test_torchrun_with_more_ranks_than_gpus_is_a_one_line_error(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# train.py --fsdp (gloo processes through kernel_launcher, as torchrun would start them)
+# train.py --fsdp (gloo processes through launch_ranks, as torchrun would start them)
 
 def _fsdp_train_py(rank, world, tmp, argv):
     # train.main ends by destroying the process group; that is left to rank_main, after the
-    # result is written (a teardown abort must not hide a finished run, see kernel_launcher)
+    # result is written (a teardown abort must not hide a finished run, see launch_ranks)
     import torch.distributed as dist
     destroy, dist.destroy_process_group = dist.destroy_process_group, lambda *a, **k: None
     try:
@@ -1126,10 +1126,10 @@ def test_train_fsdp_resumes_on_another_world_size_and_matches_one_process(corpus
     micro-batch."""
     args = base_args(corpus, tmp_path / "f", "--max_iters", "6", "--eval_interval", "2", "--grad_accum", "2",
                      "--optim", "zeeden", "--seed", "1")
-    kernel_launcher(_fsdp_train_py, tmp_path, 2, args + ["--fsdp", "--stop_after", "4"])
+    launch_ranks(_fsdp_train_py, tmp_path, 2, args + ["--fsdp", "--stop_after", "4"])
     assert sorted(os.listdir(tmp_path / "f")) == ["ckpt", "log.jsonl"]
     assert json.load(open(tmp_path / "f" / "ckpt" / "train.json"))["iter_num"] == 4
-    summary = kernel_launcher(_fsdp_train_py, tmp_path, 1, args + ["--fsdp", "--resume"])[0]
+    summary = launch_ranks(_fsdp_train_py, tmp_path, 1, args + ["--fsdp", "--resume"])[0]
     assert summary["start_iter"] == 4 and summary["iters"] == 6 and summary["world"] == 1
     plain = train.main(base_args(corpus, tmp_path / "p", *args[args.index("--max_iters"):]))
     steps = lambda d: [r["loss"] for r in read_log(d) if r["type"] == "step"]  # noqa: E731
@@ -1145,7 +1145,7 @@ def test_train_fsdp_one_rank_equals_plain_bit_for_bit(corpus, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     args = ["--max_iters", "4", "--eval_interval", "100", "--grad_accum", "2", "--method", "gaussws",
             "--optim", "fp32"]
-    kernel_launcher(_fsdp_train_py, tmp_path, 1, base_args(corpus, tmp_path / "f", *args, "--fsdp"))
+    launch_ranks(_fsdp_train_py, tmp_path, 1, base_args(corpus, tmp_path / "f", *args, "--fsdp"))
     train.main(base_args(corpus, tmp_path / "p", *args))
     steps = lambda d: [(r["loss"], r["grad_norm"]) for r in read_log(d) if r["type"] == "step"]  # noqa: E731
     assert len(steps(tmp_path / "f")) == 4 and steps(tmp_path / "f") == steps(tmp_path / "p")
@@ -1171,7 +1171,7 @@ def _aot_eager_compile(graphs):
 def _fsdp_train_py_compiled(rank, world, tmp, argv):
     graphs = []
     torch._dynamo.reset()
-    torch.compile = _aot_eager_compile(graphs)   # a fresh process of kernel_launcher's: nothing to restore
+    torch.compile = _aot_eager_compile(graphs)   # a fresh process of launch_ranks's: nothing to restore
     return _fsdp_train_py(rank, world, tmp, argv), graphs
 
 
@@ -1186,7 +1186,7 @@ def test_train_fsdp_compiled_one_rank_equals_plain_compiled_bit_for_bit(corpus, 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     args = ["--max_iters", "3", "--eval_interval", "100", "--eval_windows", "0", "--grad_accum", "2",
             "--method", "gaussws", "--parts", "qkv", "--optim", "zipsr", "--compile"]
-    summary, fsdp_graphs = kernel_launcher(_fsdp_train_py_compiled, tmp_path, 1,
+    summary, fsdp_graphs = launch_ranks(_fsdp_train_py_compiled, tmp_path, 1,
                                    base_args(corpus, tmp_path / "f", *args, "--fsdp"))[0]
     plain_graphs = []
     torch._dynamo.reset()
@@ -1234,7 +1234,7 @@ def _fsdp_mesh_on_a_gpu_host(rank, world, tmp):
 def test_fsdp_on_cpu_shards_on_a_cpu_mesh_on_a_gpu_host(tmp_path):
     """torchrun ... train.py --fsdp --device cpu on a GPU host: the ranks shard on a CPU mesh over
     their gloo group, not on fully_shard's default CUDA mesh (rank 1 of 2: cuda:1)."""
-    assert kernel_launcher(_fsdp_mesh_on_a_gpu_host, tmp_path, 2) == [["cpu"], ["cpu"]]
+    assert launch_ranks(_fsdp_mesh_on_a_gpu_host, tmp_path, 2) == [["cpu"], ["cpu"]]
 
 
 # ---------------------------------------------------------------------------------------------

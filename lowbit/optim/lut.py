@@ -94,6 +94,20 @@ def build_kernel_tables(T_m, T_v, cfg):
     return t
 
 
+def kernel_tables(impl, cfg, get_codebook):
+    """build_kernel_tables for an AdamW4bit of this impl and configuration: None for impl="torch"
+    or FP32 states, and under impl="auto" for a codebook too dense for the buckets (levels < ~0.004
+    apart: the reference runs); under impl="triton" that is a ValueError naming the codebook."""
+    if cfg["m_codebook"] is None or impl == "torch":
+        return None
+    try:
+        return build_kernel_tables(get_codebook(cfg["m_codebook"]), get_codebook(cfg["v_codebook"]), cfg)
+    except ValueError as e:
+        if impl == "triton":
+            raise ValueError(f"impl='triton': {e}; use impl='torch' for this codebook") from None
+        return None
+
+
 def on_device(tables, device, cache):
     """build_kernel_tables' tables on `device`, copied at their first use there and kept in
     `cache` (the optimizer's dict, under "tables")."""

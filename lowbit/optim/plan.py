@@ -25,7 +25,7 @@ import torch
 from lowbit.optim.fp32 import fp32_loop, fused_fp32_args, fused_fp32_group, split_fp32
 from lowbit.optim.launch import capturable_bias_table
 from lowbit.optim.state import DTensor
-from lowbit.optim.sr_bits import step_seed, seed_base
+from lowbit.optim.sr_bits import seed_base, shard_offset, step_seed
 
 
 def hparams(group, lr=True):
@@ -244,3 +244,38 @@ class StepPlan:
             bias = self.device_bufs[key] = capturable_bias_table(b1, b2, wd).to(device)
         return dict(step=state["step"], lr=self._device_lr(index, group, device), bias=bias,
                     rows=bias.shape[0], seed_term=seed_base(seed))
+
+
+class ParamPlan:
+    """AdamW4bit.step_param's bookkeeping, O(1) per call: each parameter's place (group index and
+    index from 1, its SR seed index) from a map rebuilt only when the groups change, and each
+    parameter's prepared launch, kept while what it assumes holds and repointed when only the
+    gradient moved (the step inside backward gets a new gradient every step)."""
+
+    def __init__(self):
+        self.layout, self.places, self.launches = None, {}, {}
+
+    def place(self, groups, p):
+        """(group index, index from 1) of p; ValueError for a tensor in no group."""
+        layout = tuple((id(g), len(g["params"])) for g in groups)
+        if self.layout != layout:
+            flat = [(gi, j) for gi, g in enumerate(groups) for j in range(len(g["params"]))]
+            self.layout = layout
+            self.places = {id(groups[gi]["params"][j]): (gi, j, i + 1) for i, (gi, j) in enumerate(flat)}
+        gi, j, index = self.places.get(id(p), (0, -1, 0))
+        if j < 0 or groups[gi]["params"][j] is not p:
+            raise ValueError(f"step_param: the tensor of shape {tuple(p.shape)} is not a parameter of this "
+                             "optimizer")
+        return gi, index
+
+    def launch(self, kind, p, st, sidx, build):
+        """p's launch.Launch for kind (its path and m's rule), built by build() when new or when a
+        tensor it reads moved, else repointed at p.grad."""
+        key = (kind, p.data_ptr(), p.dtype, p.grad.dtype, int(sidx), shard_offset(sidx),
+               tuple(v.data_ptr() for v in st.values() if torch.is_tensor(v)))
+        kept = self.launches.get(id(p))
+        if kept is None or kept[0] != key:
+            kept = self.launches[id(p)] = (key, build())
+        elif kept[1].grads[0] != p.grad.data_ptr():
+            kept[1].regrad([p.grad])
+        return kept[1]

@@ -3,6 +3,8 @@ AdamW4bit's states: creation, the layouts of state_dict() and load_state_dict(),
 (DTensor) parameters, whose step runs on each rank's local shard (LocalShards). Functions of the
 states and parameters they are given, never the step's arithmetic.
 """
+import contextlib
+
 import torch
 
 from lowbit.optim.launch import KERNEL_DTYPES
@@ -239,6 +241,64 @@ def fit_state(p, st, index, capturable, master_weight_bits):
     for k, v in st.items():
         if torch.is_tensor(v) and not v.is_contiguous():
             st[k] = v.contiguous()
+
+
+def check_kind(p, st, quantized, group):
+    """ValueError when p's states `st` are of the other kind than its group now asks for (the
+    group's quantize flag changed after p's first step); else `quantized`."""
+    if st and "exp_avg" in st and (st["exp_avg"].dtype == torch.uint8) != quantized:
+        raise ValueError(f"a parameter of shape {tuple(p.shape)} has {'FP32' if quantized else '4-bit'} states "
+                         f"but its param group now says quantize={group.get('quantize', True)}; set quantize per "
+                         "group before the first step (or load a state dict)")
+    return quantized
+
+
+def group_of(groups, p, caller):
+    """The param group holding p; ValueError naming `caller` when none does."""
+    group = next((g for g in groups if any(p is q for q in g["params"])), None)
+    if group is None:
+        raise ValueError(f"{caller}: the tensor of shape {tuple(p.shape)} is not a parameter of this optimizer")
+    return group
+
+
+def maximized_grads(groups):
+    """The gradients of the maximize=True groups' parameters (local tensors, each once)."""
+    grads, seen = [], set()
+    for group in groups:
+        for p in group["params"] if group.get("maximize") else ():
+            g = p.grad
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                grads.append(g.to_local() if is_dtensor(g) else g)
+    return grads
+
+
+@contextlib.contextmanager
+def negated(grads):
+    """maximize=True (torch's flag): the step of -grad. The gradients are negated in place around
+    the step (no copy; the kernels, the reference and a recorded plan all read them) and restored
+    after it, exactly (negation is exact)."""
+    if grads:
+        torch._foreach_neg_(grads)
+    try:
+        yield
+    finally:
+        if grads:
+            torch._foreach_neg_(grads)
+
+
+@contextlib.contextmanager
+def without(obj, *names):
+    """obj's dict attributes `names` (torch's state_dict hook registries) empty inside the block:
+    AdamW4bit runs its hooks itself, on its own state dict, around torch's method."""
+    kept = [getattr(obj, n) for n in names]
+    for n in names:
+        setattr(obj, n, {})
+    try:
+        yield kept
+    finally:
+        for n, v in zip(names, kept):
+            setattr(obj, n, v)
 
 
 def state_nbytes(states):
