@@ -61,6 +61,10 @@ def build_parser():
                     help="--only ddp: training steps (default 300); --only multigpu: (default 150); --only fsdp: "
                          "(default 40)")
     ap.add_argument("--quick", action="store_true", help="skip the slow reference rows")
+    ap.add_argument("--n_layer", type=int, default=None,
+                    help="--only capacity: train each setup at this many layers instead of searching the largest")
+    ap.add_argument("--setups", default="",
+                    help="--only capacity: only the setups whose name contains this text (e.g. 'in backward')")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="--only in_backward: where it runs (the other sections need CUDA)")
     ap.add_argument("--compile", nargs="?", const="model", choices=["model", "blocks"], default=None,
@@ -124,6 +128,11 @@ def check_args(ap, args):
                      "(add --table1)")
     if args.iters is not None and args.iters < 1:
         ap.error(f"--iters {args.iters}: need at least 1")
+    if args.n_layer is not None and args.n_layer < 1:
+        ap.error(f"--n_layer {args.n_layer}: need at least 1")
+    from benchmarks.capacity import SETUPS
+    if not any(args.setups in name for name in SETUPS):
+        ap.error(f"--setups {args.setups!r}: no setup's name contains it; setups: {'; '.join(SETUPS)}")
     if args.reps < 1:
         ap.error(f"--reps {args.reps}: need at least 1")
     try:
@@ -138,7 +147,7 @@ def check_args(ap, args):
 
 
 # the sections that read each flag (--only unset: optim, noise, memory and train)
-READ_BY = dict(quick=("optim",), device=("in_backward",), dataset=("ddp", "multigpu", "fsdp"), iters=("ddp", "multigpu", "fsdp"),
+READ_BY = dict(quick=("optim",), device=("in_backward",), n_layer=("capacity",), setups=("capacity",), dataset=("ddp", "multigpu", "fsdp"), iters=("ddp", "multigpu", "fsdp"),
                cases=("multigpu",), eager=("fsdp",), reps=("fsdp",), train_args=("multigpu", "fsdp"),
                **{k: ("train",) for k in ("modes", "pairs", "gpt2", "table1", "methods", "optims", "compile", "models")})
 
@@ -201,10 +210,11 @@ def main(argv=None):
             save(section, dict(res, rows=res["rows"] + t1["rows"], table1_geomean_overhead_pct=t1["geomean_overhead_pct"],
                                command="python bench.py " + shlex.join(argv)))
     if args.only == "capacity":
-        from benchmarks.capacity import bench_capacity
+        from benchmarks.capacity import SETUPS, bench_capacity
         cmd = "python bench.py " + shlex.join(argv)
-        save("capacity", dict(bench_capacity(on_row=lambda rows: save("capacity", dict(rows=rows, partial=True,
-                                                                                          command=cmd))), command=cmd))
+        setups = [name for name in SETUPS if args.setups in name]
+        save("capacity", dict(bench_capacity(setups, n_layer=args.n_layer, on_row=lambda rows: save(
+            "capacity", dict(rows=rows, partial=True, command=cmd))), command=cmd))
     if args.only == "ddp":
         if torch.cuda.device_count() < 2:
             raise SystemExit("--only ddp needs 2 GPUs")

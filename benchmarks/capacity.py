@@ -174,9 +174,21 @@ def largest(setup, device="cuda"):
     return search_largest(fits, int(0.9 * total / (per_layer * arith)))[1]
 
 
-def bench_capacity(setups=tuple(SETUPS), device="cuda", on_row=None):
+def bench_capacity(setups=tuple(SETUPS), device="cuda", on_row=None, n_layer=None):
     """Largest layer count per setup, then one fixed model that only the 4-bit setups fit trained
-    by each of them (5 steps). Returns the JSON-ready dict; on_row(rows) after each setup."""
+    by each of them (5 steps). Returns the JSON-ready dict; on_row(rows) after each setup.
+    n_layer: instead, each setup trains that many layers (5 steps; None where it runs out of memory)."""
+    if n_layer is not None:
+        rows = {}
+        for s in setups:
+            rows[s] = r = probe(s, n_layer, steps=5, device=device)
+            print(f"{s:60s} {n_layer:4d} layers " + ("out of memory" if r is None else
+                  f"{r['params'] / 1e9:6.2f}B params peak {r['peak_GiB']:6.1f} GiB {r['tokens_per_s']:7.0f} tok/s"),
+                  flush=True)
+            if on_row is not None:
+                on_row(rows)
+        return dict(width=WIDTH_7B, tokens=T, batch=1, activation_checkpointing=True,
+                    fixed_model=dict(n_layer=n_layer, rows=rows))
     rows = {}
     for s in setups:
         r = largest(s, device)
