@@ -151,10 +151,11 @@ class Launch:
         copy of the gradient column, from pinned memory, no host sync. The table must be the
         launch's own (own_table=True)."""
         ptrs = tuple(g.data_ptr() for g in grads)
-        col = torch.tensor(ptrs, dtype=torch.int64)
-        if self.tab.is_cuda:
-            col = col.pin_memory()
-        self.tab[:, TAB_GRAD.value].copy_(col, non_blocking=True)
+        if len(ptrs) == 1:     # step_param's launches: the address as a kernel argument, no copy
+            self.tab[:, TAB_GRAD.value].fill_(ptrs[0])
+        else:
+            col = torch.tensor(ptrs, dtype=torch.int64)
+            self.tab[:, TAB_GRAD.value].copy_(col.pin_memory() if self.tab.is_cuda else col, non_blocking=True)
         self.grads = ptrs
         if "ALIGNED" in self.flags:
             self.flags["ALIGNED"] = self.p_aligned and all(g % self.g_align == 0 for g in ptrs)
