@@ -486,11 +486,12 @@ class AdamW4bit(torch.optim.Optimizer):
             if self._checked.get(gi) != optim_args.hparams_key(group):
                 self._checked[gi] = optim_args.check_group(gi, group, self.capturable, lr_value=False)
         capturing = self.capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        params = self._params()
+        owners = self._params()
         with optim_state.negated(optim_state.maximized_grads(self.param_groups)):   # maximize=True
-            params, grads = self._shards.local_params(params, [p.grad for p in params])
+            params, grads = self._shards.local_params(owners, [p.grad for p in owners])
             record = self._plan.replay_or_record(self.param_groups, (id(self.state), self.impl, self._lm_head_sr()),
-                                                 params, grads, self.seed, self.qcfg["param_rounding"], capturing)
+                                                 params, grads, self.seed, self.qcfg["param_rounding"], capturing,
+                                                 self.state)
             if record is not None and self._build_and_run(record):   # nothing replayed: run and record
                 self._plan.keep(record)
         self._shards.drop_grads()
@@ -518,8 +519,9 @@ class AdamW4bit(torch.optim.Optimizer):
         # the plan or a tensor was gathered (a gathered tensor is new each step).
         hp, states, fp32, batches = hparams(group), [], [], {}
         for p, index in members:
+            owner = p
             st, path, (p, st_p, t, sidx, m_rule), gathered = self._param_path(p, group, index, writeback, interp)
-            states.append(st)
+            states.append((owner, st))
             cacheable = cacheable and not gathered
             if path in ("small", "kernel"):
                 kind = m_rule if path == "kernel" else "param_correction" in st_p
@@ -529,7 +531,8 @@ class AdamW4bit(torch.optim.Optimizer):
             elif path == "fp32":
                 fp32.append((p, st_p, t, sidx))
         launches = [(t, prepare(path, kind, items, cacheable), items) for (path, t, _, _, kind), items in batches.items()]
-        self._plan.run_group(record, gi, group, hp, states, fp32, launches, self.seed, self.qcfg["param_rounding"])
+        self._plan.run_group(record, gi, group, hp, [st for _, st in states], fp32, launches, self.seed,
+                             self.qcfg["param_rounding"], [p for p, _ in states])
         return cacheable
 
     def _prepare(self, path, m_rule, items, own_table):
@@ -601,7 +604,7 @@ class AdamW4bit(torch.optim.Optimizer):
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         one = dict(group, params=[p])    # the ordinary step's code for a group of this one tensor
         with optim_state.negated(optim_state.maximized_grads([one])):   # maximize=True
-            self._run_group(dict(states=[], groups=[]), gi, one, [(p, index)], writeback, interp, False,
+            self._run_group(dict(states=[], owners=[], groups=[]), gi, one, [(p, index)], writeback, interp, False,
                             lambda path, kind, items, _: self._param_plan.launch(
                                 (path, kind), *items[0], lambda: self._prepare(path, kind, items, True)))
         for args in writeback:

@@ -25,6 +25,10 @@ What it cannot do, and what to do instead:
 - a CUDA-graph-captured step (`AdamW4bit(capturable=True)`) replays all parameters at once;
 - optimizers whose step reads more than the parameter's own gradient and state (a global norm,
   LBFGS's closure) do not step as they would after backward.
+- optimizer.step() is not called: AdamW4bit's step hooks (register_step_pre_hook /
+  register_step_post_hook) do not run (torch's optimizers run theirs once per parameter), and an
+  LR scheduler warns that its step() came before optimizer.step(); the schedule itself works (set
+  lr before each backward, as train.py does).
 A group added later is noticed at the end of a backward in which some hooked parameter received a
 gradient.
 """

@@ -7,6 +7,7 @@ keywords, maximize), hyperparameter types (NumPy scalars, tensors), state dicts 
 step counters, weights_only loads, two loads of one dict, DCP on 1 process and on 2 FSDP2 ranks),
 hooks, the kernel bit for bit against the reference drawing its SR uniforms, and bad inputs.
 """
+import collections
 import copy
 import inspect
 import io
@@ -168,7 +169,10 @@ def test_numpy_scalars_and_tensors_are_hyperparameters():
     kinds = [dict(lr=f32(1e-2), betas=(f32(0.9), f32(0.99)), eps=f32(1e-8), weight_decay=f32(0.05)),
              dict(lr=torch.tensor(1e-2), betas=(torch.tensor(0.9), torch.tensor(0.99)), eps=torch.tensor(1e-8),
                   weight_decay=torch.tensor(0.05)),
-             dict(lr=np.float64(1e-2), betas=(np.float64(0.9), 0.99), eps=1e-8, weight_decay=np.int64(0))]
+             dict(lr=np.float64(1e-2), betas=(np.float64(0.9), 0.99), eps=1e-8, weight_decay=np.int64(0)),
+             # 0-d arrays and sequences other than tuples (a config library's list type), as torch takes
+             dict(lr=np.array(1e-2), betas=np.array([0.9, 0.99]), eps=1e-8, weight_decay=np.array(0.05)),
+             dict(lr=1e-2, betas=collections.UserList([0.9, 0.99]), eps=1e-8, weight_decay=0.05)]
     for preset in ("zipsr", "fp32"):         # fp32: FP32-state steps, recorded and replayed
         for kw in kinds:
             plain = {k: (tuple(float(b) for b in v) if k == "betas" else float(v)) for k, v in kw.items()}
@@ -530,6 +534,71 @@ def test_printing_deepcopy_and_non_empty_state():
     assert public(o) == public(copy.deepcopy(o))
     assert copy.deepcopy(o).kernel_uniforms is True
     assert all(len(st) > 0 for st in o.state.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# states and groups replaced by the user: the recorded step must not keep stepping the old ones
+# (torch's AdamW reads opt.state and param_groups anew each step)
+
+REPLAY_CASES = [("fp32", "torch"), ("zipsr", "triton")]   # FP32-state steps; the kernel (interpreted)
+
+
+@pytest.mark.parametrize("preset, impl", REPLAY_CASES)
+def test_state_tensors_and_dicts_replaced_are_the_ones_stepped(preset, impl):
+    """A state tensor replaced (st[k] = v.clone(), as a helper moving states between devices does)
+    or a parameter's state dict replaced by a copy: the next steps update the new tensors and the
+    weights equal an untouched optimizer's, bit for bit (the recorded plan stepped the old ones)."""
+    runs = []
+    for touch in (None, "tensors", "dict"):
+        m = _mlp()
+        o = A.AdamW4bit(m.parameters(), lr=1e-2, preset=preset, impl=impl)
+        _steps(m, o, 2)
+        if touch == "tensors":
+            for st in o.state.values():
+                for k in [k for k in st if k != "step"]:
+                    st[k] = st[k].clone()
+        elif touch == "dict":
+            for p in list(o.state):
+                o.state[p] = {k: v.clone() for k, v in o.state[p].items()}
+        _steps(m, o, 2, seed=1)
+        runs.append((m, o))
+    (want, o_want), *others = runs
+    for m, o in others:
+        assert_params_equal(m, want)
+        assert_same(o.state_dict(), o_want.state_dict())
+        assert all(float(st["step"]) == 4 for st in o.state.values())
+
+
+@pytest.mark.parametrize("preset, impl", REPLAY_CASES)
+def test_state_cleared_restarts_the_moments(preset, impl):
+    """opt.state.clear() (or del opt.state[p]) restarts the moments, as with torch's AdamW: the
+    weights equal a fresh optimizer's from there on, and state_dict() holds the new states."""
+    m, fresh = _mlp(), None
+    o = A.AdamW4bit(m.parameters(), lr=1e-2, preset=preset, impl=impl)
+    _steps(m, o, 2)
+    fresh = _clone(m)
+    o.state.clear()
+    _steps(m, o, 2, seed=1)
+    _steps(fresh, A.AdamW4bit(fresh.parameters(), lr=1e-2, preset=preset, impl=impl), 2, seed=1)
+    assert_params_equal(m, fresh)
+    assert len(o.state_dict()["state"]) == len(list(m.parameters()))
+    first = next(iter(m.parameters()))
+    del o.state[first]
+    _steps(m, o, 1, seed=2)
+    assert float(o.state[first]["step"]) == 1 and float(o.state[next(iter(m.parameters()))]["step"]) == 1
+
+
+@pytest.mark.parametrize("preset, impl", REPLAY_CASES)
+def test_param_group_dict_replaced_is_read(preset, impl):
+    """A param group replaced by a new dict (opt.param_groups[0] = {**group, "lr": 0.0}) is the one
+    the next step reads: with lr 0 and weight decay the weights do not move, as with torch's."""
+    m = _mlp()
+    o = A.AdamW4bit(m.parameters(), lr=1e-2, preset=preset, impl=impl)
+    _steps(m, o, 2)
+    before = [p.detach().clone() for p in m.parameters()]
+    o.param_groups[0] = {**o.param_groups[0], "lr": 0.0}
+    _steps(m, o, 1, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ codebooks.py), the optimizer keeps what a check returns.
 """
 import math
 import numbers
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from lowbit.optim.launch import BIAS_ROWS_MAX, KERNEL_DTYPES
@@ -103,10 +105,12 @@ def check_torch_keywords(values):
 
 
 def _real(v):
-    """v as a float if it is a real number (any type but bool: NumPy scalars too) or a one-element
-    real tensor (its value; a device tensor's waits for the device), else None."""
+    """v as a float if it is a real number (any type but bool: NumPy scalars and 0-d arrays too) or
+    a one-element real tensor (its value; a device tensor's waits for the device), else None."""
     if torch.is_tensor(v):
         return v.item() if v.numel() == 1 and v.dtype != torch.bool and not v.is_complex() else None
+    if isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "fiu":
+        return float(v)
     return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None
 
 
@@ -126,7 +130,8 @@ def _check_hparams(h, where):
         raise ValueError(f"{where}eps must be finite and > 0, got {eps}")
     if not (0 <= wd < math.inf):
         raise ValueError(f"{where}weight_decay must be finite and >= 0, got {wd}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+    # any sequence of two (a list, an OmegaConf ListConfig, a NumPy array), as torch's
+    if not (isinstance(betas, (Sequence, np.ndarray)) and not isinstance(betas, str) and len(betas) == 2
             and all(_real(b) is not None and 0.0 <= _real(b) < 1.0 for b in betas)):
         raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
 
@@ -146,7 +151,8 @@ def hparams_key(group):
     comparable without waiting for the device: a CPU tensor by its value (also changed in place), a
     device one by its identity."""
     betas = group["betas"]
-    return (_key_of(group["lr"]), tuple(map(_key_of, betas)) if isinstance(betas, (tuple, list)) else betas,
+    pair = isinstance(betas, (Sequence, np.ndarray)) and not isinstance(betas, str)
+    return (_key_of(group["lr"]), tuple(map(_key_of, betas)) if pair else betas,
             _key_of(group["eps"]), _key_of(group["weight_decay"]), group.get("maximize"),
             tuple(group.get(k) for k in _MATH_KEYS))
 

@@ -18,6 +18,8 @@ with the plan when they change: a momentum schedule (OneCycleLR's cycle_momentum
 every step and is slow here, though still correct.
 """
 import os
+from itertools import chain
+from operator import is_
 from typing import NamedTuple
 
 import torch
@@ -42,6 +44,7 @@ class PlanKey(NamedTuple):
     version: int            # StepPlan.invalidate(): states created or loaded, groups added, LM head marked
     config: tuple           # the optimizer's: id(state), impl, whether the LM head's first moment takes SR
     interp: bool            # TRITON_INTERPRET=1
+    group_ids: tuple        # the param group dicts (a replaced dict is read anew)
     quantize: tuple         # each group's quantize flag
     group_sizes: tuple      # parameters per group
     param_ids: tuple        # the parameters (their local tensors for FSDP2)
@@ -74,18 +77,18 @@ class StepPlan:
         """Void the recorded plan: states were created or loaded, a group added, the LM head marked."""
         self.version += 1
 
-    def replay_or_record(self, groups, config, params, grads, seed, rule, capturing):
+    def replay_or_record(self, groups, config, params, grads, seed, rule, capturing, state):
         """Replay the recorded step if nothing it depends on changed (PlanKey) and return None;
         else drop it and return a new empty record (a dict) for the step to run and record.
         groups: the optimizer's param groups; config: its (id(state), impl, LM-head SR) tuple;
         params, grads: every parameter and its gradient (FSDP2 ones as local tensors); seed,
-        rule: the SR seed and param_rounding. Raises RuntimeError under CUDA graph capture when
-        there is nothing to repeat."""
+        rule: the SR seed and param_rounding; state: the optimizer's state (parameter -> dict).
+        Raises RuntimeError under CUDA graph capture when there is nothing to repeat."""
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         gptrs = tuple([0 if g is None or g.layout is not torch.strided else g.data_ptr() for g in grads])
         key = self._key(groups, config, interp, params, grads)
         plan = self.recorded
-        if plan is not None and plan["key"] == key and self._counters_kept(plan) and (
+        if plan is not None and plan["key"] == key and self._counters_kept(plan) and self._states_kept(plan, state) and (
                 gptrs == plan["grads"] or plan["layout"] == layout_key(params, grads)):
             self._replay(plan, grads, gptrs, seed, rule, capturing)
             return None
@@ -95,7 +98,7 @@ class StepPlan:
                                "gradients, param groups or states changed, or there was none): take one "
                                "step() outside capture first, with the gradients the graph will use")
         self.recorded = None
-        return dict(key=key, layout=layout_key(params, grads), states=[], groups=[], k=0, grads=gptrs)
+        return dict(key=key, layout=layout_key(params, grads), states=[], owners=[], groups=[], k=0, grads=gptrs)
 
     def _key(self, groups, config, interp, params, grads):
         # The PlanKey of this step (a new gradient may take the old one's address: its dtype and
@@ -106,7 +109,7 @@ class StepPlan:
         if (plan is None or plan["key"].param_ids != ids) and DTensor is not None and \
                 any(isinstance(p, DTensor) for p in params):
             return None
-        return PlanKey(self.version, config, interp,
+        return PlanKey(self.version, config, interp, tuple(map(id, groups)),
                        tuple([g["quantize"] for g in groups]), tuple(map(len, [g["params"] for g in groups])),
                        ids, tuple([p.data_ptr() for p in params]),
                        tuple([None if g is None else (g.dtype, g.layout is torch.strided and g.is_contiguous())
@@ -114,13 +117,14 @@ class StepPlan:
                        tuple([(g["betas"], g["eps"], g["weight_decay"], id(g["lr"]) if torch.is_tensor(g["lr"])
                                else None) for g in groups]) if self.capturable else None)
 
-    def run_group(self, record, gi, group, hp, states, fp32, launches, seed, rule):
+    def run_group(self, record, gi, group, hp, states, fp32, launches, seed, rule, owners=()):
         """One param group's FP32-state steps and kernel launches at this step, recorded in
         `record` as _launch_all repeats them. hp: (lr, b1, b2, eps, wd); states: the group's
         states stepped (their counters advance on replay); fp32: (param, state, t, seed index)
         items; launches: (t, launch.Launch, its (param, state, index) items); seed, rule: the
-        SR seed and param_rounding."""
+        SR seed and param_rounding; owners: the parameters the states belong to (state's keys)."""
         record["states"] += states
+        record["owners"] += owners
         device = next((p.device for p in group["params"] if p.grad is not None), None)
         by_t, loop = split_fp32(fp32)
         fp32_loop(loop, 0, hp, rule, seed)
@@ -150,6 +154,7 @@ class StepPlan:
                 st["step"] = record["counter"][i]
             record["steps"] = [st["step"] for st in record["states"]]
             record["expect"] = record["counter"].clone()
+        record["state_values"] = list(chain.from_iterable(map(dict.values, record["states"])))
         self.recorded = record
 
     def _counters_kept(self, plan):
@@ -158,6 +163,15 @@ class StepPlan:
         # optimizer.state_dict()) or a counter replaced. A capturable step reads t on the device.
         return self.capturable or (all([st["step"] is s for st, s in zip(plan["states"], plan["steps"])])
                                    and torch.equal(plan["counter"], plan["expect"]))
+
+    @staticmethod
+    def _states_kept(plan, state):
+        # Whether the optimizer still holds the states the plan steps, with the same tensors: a state
+        # dict replaced or dropped (opt.state.clear(), opt.state[p] = {...}) or a state tensor
+        # replaced (st["exp_avg"] = t.to(...)) voids the plan, which would step the old ones
+        now = list(chain.from_iterable(map(dict.values, plan["states"])))
+        return len(now) == len(plan["state_values"]) and all(map(is_, now, plan["state_values"])) and \
+            all(map(is_, map(state.get, plan["owners"]), plan["states"]))
 
     def _replay(self, plan, grads, gptrs, seed, rule, capturing):
         # the recorded step, k steps later: the same tensors, groups and launches, each group's
