@@ -334,8 +334,12 @@ class AdamW4bit(torch.optim.Optimizer):
         self._kernel_tabs = kernel_tables(impl, cfg, get_codebook)
         self._lm_head = set()      # id() of the parameters mark_lm_head() marked
         self._new_caches()
+        # torch's AdamW group keys too, at the values this step implements (code reading
+        # group["amsgrad"] etc. finds them; optim_args checks a group's values each step)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      quantize=True, maximize=maximize))
+                                      quantize=True, maximize=maximize, amsgrad=False, foreach=foreach,
+                                      fused=fused, capturable=capturable, differentiable=False,
+                                      decoupled_weight_decay=True))
 
     def _new_caches(self):
         # what the next steps rebuild when missing (a new optimizer, a copy, a loaded state dict)
@@ -421,13 +425,11 @@ class AdamW4bit(torch.optim.Optimizer):
         heads = state.pop("lm_head_positions", [])
         super().__setstate__(state)
         self.__dict__.setdefault("kernel_uniforms", False)
-        # a group saved before one of its keys existed (quantize, maximize, ...) takes the default,
-        # as torch's optimizers fill theirs ("differentiable": torch's __setstate__ adds it to the
-        # defaults for its own use, the groups do not carry it)
+        # a group saved before one of its keys existed (quantize, maximize, ...) takes the
+        # default, as torch's optimizers fill theirs
         for group in self.param_groups:
             for k, v in self.defaults.items():
-                if k != "differentiable":
-                    group.setdefault(k, v)
+                group.setdefault(k, v)
         self._new_caches()
         params = self._params()
         self._lm_head = {id(params[i]) for i in heads}

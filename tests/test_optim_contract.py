@@ -77,6 +77,10 @@ def test_defaults_are_torch_adamws():
     ours, theirs = inspect.signature(A.AdamW4bit).parameters, inspect.signature(torch.optim.AdamW).parameters
     for k in ("lr", "betas", "eps", "weight_decay"):
         assert ours[k].default == theirs[k].default, k
+    # every key of torch's AdamW groups is in ours, at torch's default (code reads group["amsgrad"])
+    w = nn.Parameter(torch.zeros(4))
+    torch_group, our_group = torch.optim.AdamW([w]).param_groups[0], A.AdamW4bit([w]).param_groups[0]
+    assert all(our_group[k] == v for k, v in torch_group.items() if k != "params"), set(torch_group) - set(our_group)
     ref, m = _mlp(), _mlp()
     _steps(ref, torch.optim.AdamW(ref.parameters()), 10)
     _steps(m, A.AdamW4bit(m.parameters(), preset="fp32"), 10)
