@@ -73,6 +73,16 @@ def test_gpu_fused_adamw4bit_step_bit_identical_to_reference():
             assert torch.equal(o_c2.state[a][k], o_g.state[b][k].cpu()), (tuple(a.shape), k)
 
 
+def _twin_steps(o_c, o_g, cpu, gpu, gen, dtype, steps):
+    # `steps` steps of a CPU and a CUDA optimizer on the same gradients (randn * 1e-2, in dtype)
+    for _ in range(steps):
+        for a, b in zip(cpu, gpu):
+            gr = (torch.randn(a.shape, generator=gen) * 1e-2).to(dtype)
+            a.grad, b.grad = gr.clone(), gr.cuda()
+        o_c.step()
+        o_g.step()
+
+
 @needs_compiled
 @needs_cuda
 def test_gpu_16bit_params_bit_identical_to_reference():
@@ -91,12 +101,7 @@ def test_gpu_16bit_params_bit_identical_to_reference():
         gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
         o_c = A.AdamW4bit(cpu, impl="torch", lr=1e-2, **kw)
         o_g = A.AdamW4bit(gpu, impl="triton", lr=1e-2, **kw)
-        for _ in range(4):
-            for a, b in zip(cpu, gpu):
-                gr = (torch.randn(a.shape, generator=gen) * 1e-2).to(dtype)
-                a.grad, b.grad = gr.clone(), gr.cuda()
-            o_c.step()
-            o_g.step()
+        _twin_steps(o_c, o_g, cpu, gpu, gen, dtype, 4)
         for a, b in zip(cpu, gpu):
             assert torch.equal(a, b.cpu()), (dtype, kw, tuple(a.shape))
             for k in o_c.state[a].keys() - {"step"}:
@@ -149,12 +154,7 @@ def test_gpu_kernel_equals_reference_drawing_its_uniforms(preset, dtype, kw):
     for o, ps in ((o_c, cpu), (o_g, gpu)):
         o.mark_lm_head(ps[1])
         o.set_progress(0.95)
-    for _ in range(3):
-        for a, b in zip(cpu, gpu):
-            gr = (torch.randn(a.shape, generator=gen) * 1e-2).to(dtype)
-            a.grad, b.grad = gr.clone(), gr.cuda()
-        o_c.step()
-        o_g.step()
+    _twin_steps(o_c, o_g, cpu, gpu, gen, dtype, 3)
     for a, b in zip(cpu, gpu):
         if dtype == torch.float32 and not o_c.is_quantized(a):   # torch's fused AdamW on CUDA: see above
             assert torch.allclose(a, b.cpu(), rtol=1e-5, atol=1e-7)
