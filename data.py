@@ -26,6 +26,7 @@ import gzip
 import json
 import lzma
 import os
+import signal
 import sys
 import sysconfig
 import hashlib
@@ -197,6 +198,9 @@ _worker_tok = None
 
 def _init_worker(tok_name):
     global _worker_tok
+    # Ctrl-C reaches the whole process group: a worker it killed would lose its piece and leave the
+    # parent waiting for it for good, so the workers ignore it and the parent stops the pool
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tok = get_tokenizer(tok_name, verbose=False)
 
 
@@ -238,13 +242,18 @@ def tokenize_docs(docs, tok, desc="tokenizing", procs=None):
     bar = tqdm(total=total, unit="char", unit_scale=True, desc=desc, disable=total < (1 << 20))
     if procs > 1 and total > (8 << 20):
         import multiprocessing as mp
-        with mp.get_context("fork" if sys.platform != "win32" else "spawn").Pool(
-                procs, initializer=_init_worker, initargs=(tok.name,)) as pool:
-            for (text, last, needs), ids in zip(pieces, pool.imap(_encode_chunk, (p[0] for p in pieces), chunksize=4)):
-                out.append(ids)
-                if last and needs:
-                    out.append(eot)
-                bar.update(len(text))
+        try:
+            with mp.get_context("fork" if sys.platform != "win32" else "spawn").Pool(
+                    procs, initializer=_init_worker, initargs=(tok.name,)) as pool:
+                for (text, last, needs), ids in zip(pieces, pool.imap(_encode_chunk, (p[0] for p in pieces),
+                                                                       chunksize=4)):
+                    out.append(ids)
+                    if last and needs:
+                        out.append(eot)
+                    bar.update(len(text))
+        except KeyboardInterrupt:      # the pool is terminated on leaving the with block
+            bar.close()
+            raise SystemExit(f"interrupted while {desc}: nothing was written (it is prepared again next time)")
     else:
         for text, last, needs in pieces:
             out.append(np.asarray(tok.encode(text), dtype=np.uint32))

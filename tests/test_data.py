@@ -17,7 +17,7 @@ from lowbit import runlock
 from trainer.flags import build_parser, resolve_args
 from trainer.util import RunError
 
-from tests.helpers import hold_lock_then
+from tests.helpers import ROOT, hold_lock_then
 
 
 def test_prepare_byte_split_and_cache(tmp_path):
@@ -303,3 +303,37 @@ def test_validation_tail_is_announced_and_documented(tmp_path, capsys):
         train.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "named val*, otherwise the last 10% of the tokens" in help_text
+
+
+_SLOW_TOKENIZING = """
+import sys, time
+import numpy as np
+import data
+def slow(text):                  # a worker busy with its piece when Ctrl-C comes
+    time.sleep(0.3)
+    return np.zeros(1, dtype=np.uint32)
+data._encode_chunk = slow        # forked workers inherit it
+print("ready", flush=True)
+data.tokenize_docs(["x\\ny" * (9 << 20)], data.get_tokenizer("byte", verbose=False), procs=2)
+"""
+
+
+def test_ctrl_c_while_tokenizing_with_workers_exits():
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while a large corpus is
+    tokenized by worker processes: the run exits within seconds with one line saying nothing was
+    written. (Workers killed by it used to leave the parent waiting for their pieces for good.)"""
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_TOKENIZING], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("still running 30 s after Ctrl-C")
+    assert proc.returncode != 0
+    assert "interrupted while tokenizing: nothing was written" in err, err[-500:]
