@@ -26,6 +26,7 @@ import gzip
 import json
 import lzma
 import os
+import re
 import signal
 import sys
 import sysconfig
@@ -194,6 +195,13 @@ def check_dataset_arg(dataset):
 
 
 _worker_tok = None
+
+
+def is_val_file(path):
+    """Whether a folder's file belongs to the validation split: its name is val, valid or
+    validation, alone or followed by '.', '_' or '-' (val.txt, val_00.jsonl, valid-2.txt; not
+    values.py or validators.py)."""
+    return re.match(r"(val|valid|validation)([._-]|$)", os.path.basename(path).lower()) is not None
 
 
 def _init_worker(tok_name):
@@ -387,16 +395,20 @@ def _prepare_locked(dataset, tok, out, want, files, root, max_tokens, verbose):
         train_docs, val_docs = _remote_docs(dataset, max_tokens, tok)
         source = f"HF datasets {dataset} (streamed, ~{max_tokens} tokens)"
     else:
-        is_val = [os.path.basename(f).lower().startswith("val") for f in files]
+        is_val = [os.path.isdir(dataset) and is_val_file(f) for f in files]
         train_docs = read_texts([f for f, v in zip(files, is_val) if not v])
         val_docs = read_texts([f for f, v in zip(files, is_val) if v])
+        if verbose and val_docs:
+            names = [os.path.relpath(f, dataset) for f, v in zip(files, is_val) if v]
+            print(f"[data] validation split: {len(names)} file(s) named val / valid / validation: "
+                  f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
         source = f"{os.path.abspath(dataset)} ({len(files)} files)"
     train = tokenize_docs(train_docs, tok, desc=f"tokenizing {dataset} ({tok.name})")
     val = tokenize_docs(val_docs, tok, desc="tokenizing val") if val_docs else None
     if val is None:
         train, val = _split_tail(train)
         if verbose:
-            print(f"[data] {dataset} has no validation file (a file named val* in a folder): the last "
+            print(f"[data] {dataset} has no validation file (val.*, val_*, valid* in a folder): the last "
                   f"10 % of its tokens ({len(val):,}) are the validation split")
     if max_tokens and len(train) > max_tokens:
         train = train[:max_tokens]

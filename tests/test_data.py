@@ -302,7 +302,31 @@ def test_validation_tail_is_announced_and_documented(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "named val*, otherwise the last 10% of the tokens" in help_text
+    assert "named val, valid or validation (val.txt, val_00.txt, ...), otherwise the last 10% of the tokens" \
+        in help_text
+
+
+def test_validation_files_are_named_val_not_any_val_prefix(tmp_path, capsys):
+    """A folder's val.txt / val_1.txt / valid-2.txt are the validation split, and the run says
+    which; values.py or validators.py are training text; a single file named val.txt is split
+    like any file (its last 10 %)."""
+    src = tmp_path / "code"
+    src.mkdir()
+    for name in ("a.txt", "values.py", "validators.py"):
+        (src / name).write_text(f"{name} alpha beta\n" * 100, encoding="utf-8")
+    folder = datamod.prepare(str(src), "byte", data_dir=str(tmp_path / "d"))
+    assert "no validation file" in capsys.readouterr().out
+    assert datamod.load_meta(folder)["val_split"] == "last 10 %"
+    for name in ("val_1.txt", "valid-2.txt"):
+        (src / name).write_text("gamma\n" * 10, encoding="utf-8")
+    folder = datamod.prepare(str(src), "byte", data_dir=str(tmp_path / "d2"))
+    out = capsys.readouterr().out
+    assert "validation split: 2 file(s)" in out and "val_1.txt" in out and "valid-2.txt" in out
+    assert datamod.load_meta(folder)["val_tokens"] == 2 * 60            # both files, 10 lines of 6 bytes each
+    single = tmp_path / "val.txt"
+    single.write_text("delta epsilon\n" * 100, encoding="utf-8")
+    folder = datamod.prepare(str(single), "byte", data_dir=str(tmp_path / "d3"))
+    assert datamod.load_meta(folder)["val_split"] == "last 10 %"
 
 
 _SLOW_TOKENIZING = """

@@ -58,8 +58,8 @@ def build_parser():
                    help="model shape; auto: tiny on CPU, gpt2-124m on CUDA")
     g.add_argument("--dataset", default="stdlib",
                    help="stdlib | shakespeare | openwebtext | fineweb-edu | c4 | a local UTF-8 text file or folder "
-                        "| a prepared data folder (meta.json). Validation split: a folder's files named val*, "
-                        "otherwise the last 10%% of the tokens")
+                        "| a prepared data folder (meta.json). Validation split: a folder's files named val, valid or "
+                        "validation (val.txt, val_00.txt, ...), otherwise the last 10%% of the tokens")
     g.add_argument("--tokenizer", default="auto", choices=("auto", "gpt2", "byte"),
                    help="auto: gpt2 on CUDA (byte, with a message, when tiktoken cannot load its files), byte on "
                         "CPU (a 50k-vocab LM head and softmax dominate a CPU step); gpt2 given explicitly never falls back")
