@@ -202,12 +202,16 @@ def main(argv=None):
     try:
         tok = datamod.get_tokenizer(c.get("tokenizer", "byte" if ck["model_config"]["vocab_size"] == 256 else "gpt2"),
                                     verbose=False)
-    except RuntimeError as e:   # GPT-2's offline without TIKTOKEN_CACHE_DIR: data.py's line
-        raise SystemExit(f"sample.py: error: {path} was trained with the GPT-2 tokenizer: {e}") from None
+    except RuntimeError:        # GPT-2's offline without TIKTOKEN_CACHE_DIR
+        raise SystemExit(f"sample.py: error: {path} was trained with the GPT-2 tokenizer and tiktoken cannot "
+                         f"load its gpt2 files here; set TIKTOKEN_CACHE_DIR to a folder holding them") from None
     print(f"{path}: step {ck['iter_num']} of {c['preset']} {c['method']}"
           + (f"[{c['parts']}]" if c["method"] != "bf16" else "")
           + f" + {c['optim']}, {c.get('param_dtype', 'fp32')} params, {tok.name} tokens")
     numbers = None
+    if args.cast and not c.get("eval_windows"):
+        ap.error(f"--cast: the run was trained with --eval_windows {c.get('eval_windows')}, so it has no "
+                 f"validation windows to measure the cast on")
     if args.cast:
         model, _, val = load_run_of(ck, path, device)
         numbers = cast(model, c, val, args.cast)

@@ -61,6 +61,7 @@ def runs(tmp_path_factory, corpus):
     torch.save(dict(ck, format="gaussws-adam4bit-train-v0"), tmp / "v0.pt")
     torch.save(dict(ck, config=dict(ck["config"], tokenizer="gpt2")), tmp / "gpt2-tok.pt")
     torch.save(dict(ck, config=dict(ck["config"], dataset="/no/such/corpus.txt")), tmp / "moved.pt")
+    torch.save(dict(ck, config=dict(ck["config"], eval_windows=0)), tmp / "no-val.pt")
     return {**{k: str(tmp / k) for k in procs}, "tmp": str(tmp), "corpus": text}
 
 
@@ -198,6 +199,8 @@ REFUSED = [
     (["--start", "FILE:{tmp}/nope.txt"], "--start FILE:{tmp}/nope.txt: cannot read it"),
     (["--out_dir", "{gaussws}", "--ckpt", "{gaussws}/ckpt.pt"], "argument --ckpt: not allowed with argument --out_dir"),
     (["--export", "{tmp}"], "--export {tmp}: a folder"),
+    (["--ckpt", "{tmp}/no-val.pt", "--cast", "tiers"], "--cast: the run was trained with --eval_windows 0, so it "
+                                                       "has no validation windows"),
 ]
 
 

@@ -835,7 +835,7 @@ def test_unwritable_out_dir_and_full_disk_are_one_line_errors(corpus, tmp_path, 
         raise AssertionError("data prepared before --out_dir was checked")
 
     (tmp_path / "a_file").write_text("x")
-    bad = [(tmp_path / "a_file", "File exists"), (tmp_path / "a_file" / "o", "Not a directory")]
+    bad = [(tmp_path / "a_file" / "o", "Not a directory")]
     if os.geteuid() != 0:   # root writes into read-only folders
         (tmp_path / "ro").mkdir(mode=0o555)
         bad.append((tmp_path / "ro", "Permission denied"))
@@ -845,6 +845,8 @@ def test_unwritable_out_dir_and_full_disk_are_one_line_errors(corpus, tmp_path, 
             with pytest.raises(RunError) as e:
                 train.main(base_args(corpus, out, "--max_iters", "2"))
             assert str(e.value) == f"--out_dir {out}: cannot write there ({reason})"
+        with pytest.raises(RunError, match="is a file, not a folder"):
+            train.main(base_args(corpus, tmp_path / "a_file", "--max_iters", "2"))
     # a full disk at the second checkpoint: the temp file goes, the first checkpoint stays
     out, save, calls = tmp_path / "full", torch.save, []
 

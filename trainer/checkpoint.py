@@ -53,6 +53,8 @@ def lock_out_dir(args, proc):
     was killed is reported and the lock taken over."""
     if not proc.master:
         return None
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise RunError(f"--out_dir {args.out_dir}: is a file, not a folder; name a folder (it is created)")
     try:
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as e:
