@@ -123,11 +123,23 @@ def power_during(fn, seconds=3.0, settle=1.0):
 # ---------------------------------------------------------------------------------------------
 # result files
 
+_SAVED = {}   # (folder, section) -> the file this run writes the section to (save)
+
+
 def save(section, result, path=None):
-    """Write a section's result as JSON: `path`, default results/<gpu>_<date>_<section>.json."""
+    """Write a section's result as JSON: `path`, default results/<gpu>_<date>_<section>.json, or
+    with _2, _3, ... before .json where an earlier run left that file (a result is never
+    overwritten by another run; this run's later saves of the section update its own file)."""
     gpu = torch.cuda.get_device_name().replace(" ", "-") if torch.cuda.is_available() else "cpu"
     date = datetime.date.today().isoformat()
-    path = path or f"results/{gpu}_{date}_{section}.json"
+    if path is None:
+        path = _SAVED.get((os.getcwd(), section))
+    if path is None:
+        path, n = f"results/{gpu}_{date}_{section}.json", 1
+        while os.path.exists(path):
+            n += 1
+            path = f"results/{gpu}_{date}_{section}_{n}.json"
+        _SAVED[(os.getcwd(), section)] = path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:   # a result's own "command" (the full command line) wins
         json.dump({"gpu": gpu, "date": date, "torch": torch.__version__, "triton": triton.__version__,

@@ -243,3 +243,18 @@ def test_bench_multigpu_runs_one_ddp_fsdp_and_a_dcp_resume_on_one(corpus, tmp_pa
     with open(path, "w") as f:
         json.dump(r, f)
     assert plot_results([path]) == [path[:-5] + ".png"]
+
+
+def test_a_result_file_is_never_overwritten_by_another_run(monkeypatch, tmp_path):
+    """save(): a run's repeated saves of a section update its own file (partial rows); a later run
+    on the same day writes <section>_2.json beside it, leaving the earlier (maybe committed) file."""
+    from benchmarks import util
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(util, "_SAVED", {})
+    util.save("x", dict(rows=[1], partial=True))
+    util.save("x", dict(rows=[1, 2]))
+    monkeypatch.setattr(util, "_SAVED", {})      # another run
+    util.save("x", dict(rows=[3]))
+    first, second = sorted((tmp_path / "results").glob("*_x*.json"), key=lambda p: len(p.name))
+    assert second.name == first.name.replace("_x.json", "_x_2.json")
+    assert json.loads(first.read_text())["rows"] == [1, 2] and json.loads(second.read_text())["rows"] == [3]
