@@ -136,6 +136,17 @@ def setup_optimizer(args, proc, model):
     return build_optimizer(args, model, proc.device_type)
 
 
+def keep_run_length(args, ckpt, argv):
+    """--resume without --max_iters or --tokens_per_param trains to the checkpoint's run's end (the
+    device's default length would recompute its schedule). RunError when --stop_after is beyond it."""
+    saved = ckpt["config"].get("max_iters")
+    if saved is None or any(a.split("=")[0] in ("--max_iters", "--tokens_per_param") for a in argv):
+        return
+    args.max_iters, args.tokens_per_param = saved, None
+    if args.stop_after is not None and args.stop_after > saved:
+        raise RunError(f"--stop_after {args.stop_after}: must be <= --max_iters {saved} (the checkpoint's run)")
+
+
 def resume(args, ckpt, model, optimizer, device_type):
     """Load model, optimizer and RNG state from the checkpoint; (start_iter, best_val_loss). The
     data order needs no state: it is a pure function of (seed, step, micro-batch)."""
@@ -274,6 +285,7 @@ def main(argv=None):
         ckpt = load_checkpoint(resume_path(args)) if args.resume else None  # a bad file fails before data
         if ckpt is not None:
             check_resume_target(args)
+            keep_run_length(args, ckpt, sys.argv[1:] if argv is None else argv)
         set_grad_accum(args, proc.world, ckpt)
         batches = setup_data(args, proc)
         model, replaced = setup_model(args, proc, batches)

@@ -221,6 +221,12 @@ def test_memory_flags_refuse_what_they_cannot_do(flags, words, capsys):
     assert_one_line_flag_error(flags, words, capsys)
 
 
+def test_step_in_backward_under_torchrun_is_refused_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert_one_line_flag_error(["--step_in_backward", "--grad_clip", "0"],
+                               ["--step_in_backward with 2 processes (torchrun)", "run one process"], capsys)
+
+
 def test_cpu_threads_chosen_and_an_explicit_choice_kept(corpus, tmp_path, monkeypatch, capsys):
     p, proc = build_parser(), Process(ddp=False, rank=0, world=1, device="cpu")
 
@@ -1441,3 +1447,18 @@ def test_startup_line_and_summary_name_what_trains(corpus, tmp_path, capsys):
                              "--param_dtype", "bf16"))
     assert (s["weights_dtype"], s["autocast_dtype"], s["pqt"]) == ("bfloat16", "bfloat16", "diffq[all]")
     assert "device cpu x1: bfloat16 weights, bfloat16 autocast, PQT diffq[all], compile off" in capsys.readouterr().out
+
+
+def test_resume_without_max_iters_keeps_the_run_s_length(corpus, tmp_path, capsys):
+    """--resume without --max_iters (or --tokens_per_param) trains to the checkpoint's run's end,
+    with its schedule: the same log as the uninterrupted run (it went on to the device's default
+    length with a recomputed schedule); a --stop_after beyond that end is a one-line error."""
+    out, whole = tmp_path / "o", tmp_path / "w"
+    train.main(base_args(corpus, out, "--max_iters", "8", "--eval_interval", "4", "--stop_after", "4"))
+    with pytest.raises(RunError, match="--stop_after 10: must be <= --max_iters 8 \\(the checkpoint's run\\)"):
+        train.main(base_args(corpus, out, "--eval_interval", "4", "--stop_after", "10", "--resume"))
+    s = train.main(base_args(corpus, out, "--eval_interval", "4", "--resume"))
+    want = train.main(base_args(corpus, whole, "--max_iters", "8", "--eval_interval", "4"))
+    assert s["iters"] == s["max_iters"] == 8 and s["final_val_loss"] == want["final_val_loss"]
+    steps = lambda d: [(r["iter"], r["loss"], r["lr"]) for r in read_log(d) if r["type"] == "step"]  # noqa: E731
+    assert steps(out) == steps(whole)

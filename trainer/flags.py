@@ -340,7 +340,7 @@ def check_memory_flags(parser, args):
                                  f"gradient before the first step; add --grad_clip 0"),
             ((args.grad_accum or 1) > 1, f"--grad_accum {args.grad_accum}: each micro-step would step on a "
                                          f"partial gradient; use --grad_accum 1 and a larger --batch_size"),
-            (int(os.environ.get("WORLD_SIZE", 1)) > 1, f"{os.environ['WORLD_SIZE']} processes (torchrun): the "
+            (int(os.environ.get("WORLD_SIZE", 1)) > 1, f"{os.environ.get('WORLD_SIZE', 1)} processes (torchrun): the "
                                                        "gradients are all-reduced after backward, after the step; "
                                                        "run one process"),
             (args.capturable, "--capturable: the captured step updates every parameter at once")]
