@@ -194,7 +194,7 @@ def check_dataset_arg(dataset):
                      f"and no such file or folder")
 
 
-_worker_tok = None
+_worker_tok = _worker_texts = None   # a tokenizing worker's tokenizer and texts (_init_worker)
 
 
 def is_val_file(path):
@@ -204,16 +204,18 @@ def is_val_file(path):
     return re.match(r"(val|valid|validation)([._-]|$)", os.path.basename(path).lower()) is not None
 
 
-def _init_worker(tok_name):
-    global _worker_tok
+def _init_worker(tok_name, texts):
+    global _worker_tok, _worker_texts
     # Ctrl-C reaches the whole process group: a worker it killed would lose its piece and leave the
     # parent waiting for it for good, so the workers ignore it and the parent stops the pool
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_tok = get_tokenizer(tok_name, verbose=False)
+    _worker_tok, _worker_texts = get_tokenizer(tok_name, verbose=False), texts
 
 
-def _encode_chunk(text):
-    return np.asarray(_worker_tok.encode(text), dtype=np.uint32)
+def _encode_piece(i):
+    # piece i of the texts the worker got at its start: the task queue carries an index, not
+    # megabytes of text, so stopping the pool never waits on a full task pipe
+    return np.asarray(_worker_tok.encode(_worker_texts[i]), dtype=np.uint32)
 
 
 def split_chunks(text, size=1 << 20):
@@ -252,9 +254,8 @@ def tokenize_docs(docs, tok, desc="tokenizing", procs=None):
         import multiprocessing as mp
         try:
             with mp.get_context("fork" if sys.platform != "win32" else "spawn").Pool(
-                    procs, initializer=_init_worker, initargs=(tok.name,)) as pool:
-                for (text, last, needs), ids in zip(pieces, pool.imap(_encode_chunk, (p[0] for p in pieces),
-                                                                       chunksize=4)):
+                    procs, initializer=_init_worker, initargs=(tok.name, [p[0] for p in pieces])) as pool:
+                for (text, last, needs), ids in zip(pieces, pool.imap(_encode_piece, range(len(pieces)))):
                     out.append(ids)
                     if last and needs:
                         out.append(eot)

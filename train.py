@@ -287,7 +287,11 @@ def main(argv=None):
             check_resume_target(args)
             keep_run_length(args, ckpt, sys.argv[1:] if argv is None else argv)
         set_grad_accum(args, proc.world, ckpt)
-        batches = setup_data(args, proc)
+        try:
+            batches = setup_data(args, proc)
+        except KeyboardInterrupt:   # Ctrl-C while a corpus is read or tokenized: one line, not a traceback
+            raise RunError("interrupted while preparing the data: nothing was written (it is prepared again "
+                           "next time)") from None
         model, replaced = setup_model(args, proc, batches)
         ended = ckpt is not None and ckpt["iter_num"] >= end_iter(args)   # only then is the log read here
         summary = next((r for r in reversed(read_log(os.path.join(args.out_dir, "log.jsonl")))

@@ -333,10 +333,10 @@ _SLOW_TOKENIZING = """
 import sys, time
 import numpy as np
 import data
-def slow(text):                  # a worker busy with its piece when Ctrl-C comes
+def slow(i):                     # a worker busy with its piece when Ctrl-C comes
     time.sleep(0.3)
     return np.zeros(1, dtype=np.uint32)
-data._encode_chunk = slow        # forked workers inherit it
+data._encode_piece = slow        # forked workers inherit it
 print("ready", flush=True)
 data.tokenize_docs(["x\\ny" * (9 << 20)], data.get_tokenizer("byte", verbose=False), procs=2)
 """

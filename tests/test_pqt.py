@@ -742,6 +742,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         g.apply_pqt(nn.Sequential(nn.Linear(3, 3)))
     with pytest.raises(ValueError, match="the model is itself a linear layer \\(Linear\\).*nn.Sequential"):
         g.apply_pqt(nn.Linear(3, 3))
+    assert g.apply_pqt(nn.Sequential(nn.Linear(3, 3)), modules="*") == ["0"]   # the message's advice works
     for impl in ("torch", "triton"):   # the same checks before either implementation
         with pytest.raises(TypeError, match="noise has dtype torch.float32; method='gaussws' needs int32"):
             g.apply_noise(w, g.generate_noise(w.shape, 0).float(), bt, impl=impl)

@@ -172,7 +172,8 @@ def replace_linears(model, layer_types, method, parts, b_init, b_target, seed, m
     check_module(model, "apply_pqt")
     if isinstance(model, nn.Linear) or _is_conv1d(model):
         raise ValueError(f"apply_pqt: the model is itself a linear layer ({type(model).__name__}); apply_pqt "
-                         "replaces the layers inside a model: wrap it (nn.Sequential(layer)) or build a GaussWSLinear")
+                         "replaces the layers inside a model: wrap it and name it (apply_pqt(nn.Sequential(layer), "
+                         "modules='*')) or build a GaussWSLinear")
     sharded = [n for n, m in model.named_modules()
                if any(c.__name__ == "FSDPModule" for c in type(m).__mro__)]
     if sharded:   # fully_shard made their parameters DTensors and their classes FSDP subclasses
