@@ -484,9 +484,8 @@ class AdamW4bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, group in enumerate(self.param_groups):   # changed lr, betas, eps or wd: checked again
-            if self._checked.get(gi) != optim_args.hparams_key(group):
-                self._checked[gi] = optim_args.check_group(gi, group, self.capturable, lr_value=False)
+        for gi, group in enumerate(self.param_groups):
+            self._recheck(gi, group)
         capturing = self.capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         owners = self._params()
         with optim_state.negated(optim_state.maximized_grads(self.param_groups)):   # maximize=True
@@ -498,6 +497,11 @@ class AdamW4bit(torch.optim.Optimizer):
                 self._plan.keep(record)
         self._shards.drop_grads()
         return loss
+
+    def _recheck(self, gi, group):
+        # group gi's changed lr, betas, eps or weight decay checked again (optim_args.check_group)
+        if self._checked.get(gi) != optim_args.hparams_key(group):
+            self._checked[gi] = optim_args.check_group(gi, group, self.capturable, lr_value=False)
 
     def _build_and_run(self, record):
         # Every parameter with a gradient, group by group (_run_group). Returns whether a later
@@ -600,8 +604,7 @@ class AdamW4bit(torch.optim.Optimizer):
                              "use capturable=False")
         gi, index = self._param_plan.place(self.param_groups, p)
         group, writeback = self.param_groups[gi], []
-        if self._checked.get(gi) != optim_args.hparams_key(group):
-            self._checked[gi] = optim_args.check_group(gi, group, self.capturable, lr_value=False)
+        self._recheck(gi, group)
         self._plan.invalidate()     # the step counters move outside the recorded plan
         interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
         one = dict(group, params=[p])    # the ordinary step's code for a group of this one tensor

@@ -152,17 +152,15 @@ class StepPlan:
                 torch.zeros(0)
             for i, st in enumerate(record["states"]):
                 st["step"] = record["counter"][i]
-            record["steps"] = [st["step"] for st in record["states"]]
             record["expect"] = record["counter"].clone()
         record["state_values"] = list(chain.from_iterable(map(dict.values, record["states"])))
         self.recorded = record
 
     def _counters_kept(self, plan):
-        # Whether the states still hold the recorded plan's step counters with the values it left
-        # there: the plan's t would be stale after a state dict loaded in place (DCP's dcp.load into
-        # optimizer.state_dict()) or a counter replaced. A capturable step reads t on the device.
-        return self.capturable or (all([st["step"] is s for st, s in zip(plan["states"], plan["steps"])])
-                                   and torch.equal(plan["counter"], plan["expect"]))
+        # Whether the step counters hold the values the plan left there: its t would be stale after
+        # a state dict loaded in place (DCP's dcp.load into optimizer.state_dict()); a counter
+        # replaced is a state tensor replaced (_states_kept). A capturable step reads t on the device.
+        return self.capturable or torch.equal(plan["counter"], plan["expect"])
 
     @staticmethod
     def _states_kept(plan, state):
